@@ -1,0 +1,306 @@
+"""Typed configuration: one dataclass per stage plus a shared section, loaded from YAML, overridden by CLI flags.
+
+A YAML file has one section per dataclass below (``shared``, ``prepare``, ``generate``, ``extract``, ``vocab``,
+``train``, ``evaluate``). Precedence: CLI flag > YAML > default. Every field is a flag of the same name with dashes
+(``max_completion_tokens`` -> ``--max-completion-tokens``). Unknown keys and wrong types are rejected at start with
+the key named. Defaults are the Kimi-K2.5 values; ``configs/demo.yaml`` points the same fields at the toy verifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, named precisely enough to fix it (key, file, flag)."""
+
+
+@dataclass
+class SharedConfig:
+    data_dir: str = "data"  # root folder under which every stage reads and writes (prepared/, synthetic/, ...)
+    verifier: str = ""  # path of the target (verifier) model folder (HF layout; Kimi-K2.5 nested config accepted)
+    tokenizer: str = ""  # tokenizer folder; empty = the verifier's folder
+    think_token_id: int = 163606  # id of <think>; cross-checked against the tokenizer at start
+    response_token_id: int = 163607  # id of </think> (start of the visible response); cross-checked likewise
+    aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k
+    hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
+    vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
+    draft_vocab_size: int = 32000  # size of the draft's own vocabulary (top tokens by supervised frequency)
+    max_seq_len: int = 16384  # tokens per training sample, prompt + completion
+    thinking: bool = True  # render prompts with thinking on (generation prompt ends with <think>)
+    seed: int = 0  # seed for every random choice the stages make
+    progress_every_s: float = 30.0  # seconds between plain progress lines when no terminal is attached
+    vllm_url: list[str] = field(default_factory=list)  # base URL(s) of vLLM servers, e.g. http://host:8000 (no /v1)
+
+
+@dataclass
+class PrepareConfig:
+    dataset: list[str] = field(default_factory=list)  # HF dataset ids or local .json/.jsonl/.parquet files
+    dataset_split: str = "train"  # split read from HF datasets
+    max_samples: int = 10000  # cap on rows kept per run (after dropping malformed ones); 0 = no cap
+    truncation: str = "drop"  # rows longer than max_seq_len: "drop" (listed in errors.jsonl) or "truncate"
+    overwrite: bool = False  # rewrite outputs made with a different config instead of refusing
+
+
+@dataclass
+class GenerateConfig:
+    served_model_name: str = ""  # model name the vLLM server serves; empty = ask the server (/v1/models)
+    concurrency: int = 128  # requests in flight at once, over all servers
+    request_timeout_s: float = 1800.0  # per-request client timeout, seconds
+    max_retries: int = 3  # retries after a timeout, connection error or 5xx, with exponential backoff
+    max_samples: int = 10000  # questions sent in this run (cap); 0 = all
+    max_completion_tokens: int = 8192  # cap on reasoning + answer tokens per request
+    min_completion_tokens: int = 50  # completions shorter than this are kept in responses but left out of data
+    temperature: float = 0.6  # sampling temperature sent to the server
+    top_p: float = 0.95  # nucleus sampling sent to the server
+    include_truncated: bool = False  # also train on finish_reason length/abort/repetition records
+    empty_reasoning_max_share: float = 0.05  # stop if more than this share of the first 100 have no reasoning
+
+
+@dataclass
+class ExtractConfig:
+    input: str = "synthetic"  # which rows to extract: "synthetic" (01b output) or "prepared" (01 output)
+    storage_dtype: str = "bf16"  # "bf16" (model dtype) or "fp8" (e4m3 values + per-token scale)
+    batch_tokens: int = 16384  # padded tokens per forward batch (samples sorted by length)
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    model_dtype: str = "bfloat16"  # dtype the verifier runs in
+    force_disk: bool = False  # start even when the preflight says the output will not fit on disk
+    num_workers: int = 0  # data-parallel worker processes, one per GPU, disjoint shards; 0 = one per visible GPU
+    device_map: str = ""  # "" = whole verifier on each worker's device; "auto" = split layers over all GPUs (1 worker)
+    writer_threads: int = 4  # background threads writing sample files (compute never waits on disk)
+    max_pending_batches: int = 4  # batches computed but not yet written before the forward loop waits (memory cap)
+    overwrite: bool = False  # delete an existing hidden_states/ made from other inputs/config instead of refusing
+
+
+@dataclass
+class VocabConfig:
+    rebuild: bool = False  # with train.finetune_from: rebuild the map from our data instead of keeping the checkpoint's
+    finetune_from: str = ""  # warm-start draft folder whose d2t/t2d are kept (or replaced with rebuild); empty = train.finetune_from
+
+
+@dataclass
+class TrainConfig:
+    finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder
+    epochs: int = 3  # passes over the training split
+    learning_rate: float = 1e-4  # peak AdamW learning rate
+    total_seq_len: int = 8192  # tokens packed per training row
+    ttt_steps: int = 3  # test-time-training unroll steps
+    checkpoint_every: int = 500  # optimizer steps between checkpoints
+    eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    resume: bool = False  # continue from the newest checkpoint in checkpoints/
+    export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3, vLLM/SGLang) or "speculators"
+    max_steps: int = 0  # stop after this many optimizer steps in total (the LR schedule still spans all epochs); 0 = no cap
+    log_every: int = 10  # optimizer steps between metric lines in checkpoints/metrics.jsonl
+    num_workers: int = 8  # data-loader worker processes reading hidden_states/ (0 = read in the training process)
+    attn_impl: str = "auto"  # draft attention: "auto" (flex on CUDA, sdpa on CPU), "simple_flex_attention", "sdpa", "eager"
+    warmup_ratio: float = 0.01  # share of all optimizer steps spent warming the LR up linearly (then cosine decay)
+    draft_num_heads: int = 0  # new draft only: attention heads (0 = the verifier's count; K2.5: 64)
+    draft_head_dim: int = 128  # new draft only: head dim (AQ-MedAI's K2 draft: 128; a warm start uses its checkpoint's)
+    draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
+    overwrite: bool = False  # start over: delete existing checkpoints/ instead of refusing (see also resume)
+
+
+@dataclass
+class EvaluateConfig:
+    draft: str = ""  # exported draft folder; empty = <data_dir>/checkpoints/final
+    num_speculative_tokens: int = 3  # draft tokens proposed per step (k)
+    num_prompts: int = 64  # held-out prompts sent
+    concurrency: int = 8  # requests in flight during evaluation
+    max_completion_tokens: int = 512  # cap per evaluation request
+
+
+SECTIONS: dict[str, type] = {
+    "shared": SharedConfig,
+    "prepare": PrepareConfig,
+    "generate": GenerateConfig,
+    "extract": ExtractConfig,
+    "vocab": VocabConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+}
+
+
+@dataclass
+class PipelineConfig:
+    shared: SharedConfig = field(default_factory=SharedConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    source: str = "<defaults>"  # where the YAML came from, for error messages and provenance
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.shared.data_dir)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.shared.tokenizer or self.shared.verifier
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections, used to decide whether a finished stage can be skipped."""
+        payload = {name: dataclasses.asdict(getattr(self, name)) for name in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self, stage: str) -> None:
+        """Cheap checks that must pass before any server or GPU work starts."""
+        s = self.shared
+        if len(s.aux_layer_ids) != 3 or sorted(s.aux_layer_ids) != s.aux_layer_ids:
+            raise ConfigError(f"shared.aux_layer_ids must be 3 ascending layer ids, got {s.aux_layer_ids}")
+        if s.draft_vocab_size > s.vocab_size:
+            raise ConfigError(f"shared.draft_vocab_size {s.draft_vocab_size} exceeds shared.vocab_size {s.vocab_size}")
+        if stage == "prepare":
+            if not self.prepare.dataset:
+                raise ConfigError("prepare.dataset is empty: pass --dataset PATH_OR_HF_ID (repeatable)")
+            if self.prepare.truncation not in ("drop", "truncate"):
+                raise ConfigError(f"prepare.truncation must be 'drop' or 'truncate', got {self.prepare.truncation!r}")
+        if stage in ("prepare", "generate", "extract") and not self.tokenizer_path:
+            raise ConfigError("shared.verifier (or shared.tokenizer) is empty: pass --verifier DIR")
+        if stage == "generate" and not s.vllm_url:
+            raise ConfigError("shared.vllm_url is empty: pass --vllm-url http://HOST:PORT (repeatable)")
+        if stage == "extract":
+            if self.extract.input not in ("synthetic", "prepared"):
+                raise ConfigError(f"extract.input must be 'synthetic' or 'prepared', got {self.extract.input!r}")
+            if self.extract.storage_dtype not in ("bf16", "fp8"):
+                raise ConfigError(f"extract.storage_dtype must be 'bf16' or 'fp8', got {self.extract.storage_dtype!r}")
+            if self.extract.device_map not in ("", "auto"):
+                raise ConfigError(f"extract.device_map must be '' or 'auto', got {self.extract.device_map!r}")
+            if self.extract.num_workers < 0 or self.extract.writer_threads < 1 or self.extract.batch_tokens < 1:
+                raise ConfigError("extract.num_workers must be >= 0, extract.writer_threads and batch_tokens >= 1")
+        if stage == "train":
+            t = self.train
+            if t.export_format not in ("eagle3", "speculators"):
+                raise ConfigError(f"train.export_format must be 'eagle3' or 'speculators', got {t.export_format!r}")
+            if t.attn_impl not in ("auto", "simple_flex_attention", "sdpa", "eager"):
+                raise ConfigError(f"train.attn_impl must be auto, simple_flex_attention, sdpa or eager, got {t.attn_impl!r}")
+            if t.ttt_steps < 1 or t.total_seq_len < 2 or t.checkpoint_every < 1 or t.log_every < 1 or t.epochs < 1:
+                raise ConfigError("train.ttt_steps, epochs, checkpoint_every, log_every must be >= 1 and total_seq_len >= 2")
+            if not 0.0 <= t.eval_fraction < 1.0:
+                raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
+            if t.resume and t.overwrite:
+                raise ConfigError("train.resume and train.overwrite exclude each other: pick one")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Type checking of YAML values and CLI parsing, generated from the dataclass fields.
+
+
+def _field_types(cls: type) -> dict[str, typing.Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_value(key: str, value, typ, source: str):
+    """Return ``value`` coerced to ``typ`` or raise a ConfigError naming the key."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item_type,) = typing.get_args(typ)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single value where a list is expected: accept it as a one-item list
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: key '{key}' must be a list of {item_type.__name__}, got {value!r}")
+        return [_check_value(f"{key}[{i}]", v, item_type, source) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError("optional fields are not used in configs")  # internal invariant
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: key '{key}' must be true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: key '{key}' must be an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: key '{key}' must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config field type {typ}")  # internal invariant
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict] | None = None) -> PipelineConfig:
+    """Load YAML (if given) over the defaults, then apply ``overrides`` ({section: {key: value}})."""
+    cfg = PipelineConfig()
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+        cfg.source = str(path)
+    for layer, source in ((raw, cfg.source), (overrides or {}, "command line")):
+        for section, values in layer.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"{source}: unknown section '{section}' (known: {', '.join(SECTIONS)})")
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: section '{section}' must be a mapping, got {values!r}")
+            obj = getattr(cfg, section)
+            types_ = _field_types(type(obj))
+            for key, value in values.items():
+                if key not in types_:
+                    raise ConfigError(
+                        f"{source}: unknown key '{section}.{key}' (known in {section}: {', '.join(types_)})"
+                    )
+                setattr(obj, key, _check_value(f"{section}.{key}", value, types_[key], source))
+    return cfg
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser:
+    """A parser with --config plus one flag per field of the shared section and of ``stage``'s section."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
+    sections = ["shared"] + ([stage] if stage in SECTIONS and stage != "shared" else [])
+    for section in sections:
+        group = parser.add_argument_group(section)
+        cls = SECTIONS[section]
+        for f in dataclasses.fields(cls):
+            typ = _field_types(cls)[f.name]
+            dest = f"{section}.{f.name}"
+            if typ is bool:
+                group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None)
+            elif typing.get_origin(typ) is list:
+                (item_type,) = typing.get_args(typ)
+                # repeatable and multi-valued: --vllm-url A --vllm-url B or --aux-layer-ids 2 30 58
+                group.add_argument(_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend", default=None)
+            else:
+                group.add_argument(_flag(f.name), dest=dest, type=typ, default=None)
+    return parser
+
+
+def parse_stage_args(stage: str, argv: list[str] | None = None, description: str | None = None) -> PipelineConfig:
+    """Parse ``argv`` for ``stage``: YAML from --config, then flags on top. Validates before returning."""
+    args = build_parser(stage, description).parse_args(argv)
+    overrides: dict[str, dict] = {}
+    for dest, value in vars(args).items():
+        if dest == "config" or value is None:
+            continue
+        section, key = dest.split(".", 1)
+        overrides.setdefault(section, {})[key] = value
+    cfg = load_config(args.config, overrides)
+    cfg.validate(stage)
+    return cfg

@@ -1,0 +1,882 @@
+"""Every on-disk format of the pipeline: folder layout, file names, record fields, and their save/load/check.
+
+Writer and reader of each file import this module, so a format is defined exactly once. Layout of a data dir::
+
+    <data_dir>/
+      prepared/     data.jsonl (TrainingRow)  questions.jsonl (Question)  errors.jsonl (DroppedRow)  provenance.json
+      synthetic/    responses.jsonl (Response)  data.jsonl (TrainingRow)  errors.jsonl (RequestError)  provenance.json
+      hidden_states/  speculators-readable dataset + per-sample safetensors + manifest.json (see extract section)
+      vocab/        draft vocabulary: counts, d2t, t2d (see vocab section)
+      checkpoints/  step_N/ training checkpoints, final/ exported draft
+      eval/         report.json, report.md, acceptance.png
+      logs/         <stage>.log, one per stage, appended
+
+JSONL files are appended one flushed line per record; a crash can leave at most one torn last line, which
+``repair_jsonl`` removes before the next run appends (the record it held is redone, never half-kept).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class FormatError(ValueError):
+    """A file does not hold what its format says; the message names the file, line and field."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """Paths of every artifact under one data dir. No other module spells these file names."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    # stage 01
+    @property
+    def prepared(self) -> Path:
+        return self.root / "prepared"
+
+    @property
+    def prepared_data(self) -> Path:
+        return self.prepared / "data.jsonl"
+
+    @property
+    def questions(self) -> Path:
+        return self.prepared / "questions.jsonl"
+
+    @property
+    def prepared_errors(self) -> Path:
+        return self.prepared / "errors.jsonl"
+
+    # stage 01b
+    @property
+    def synthetic(self) -> Path:
+        return self.root / "synthetic"
+
+    @property
+    def responses(self) -> Path:
+        return self.synthetic / "responses.jsonl"
+
+    @property
+    def synthetic_data(self) -> Path:
+        return self.synthetic / "data.jsonl"
+
+    @property
+    def synthetic_errors(self) -> Path:
+        return self.synthetic / "errors.jsonl"
+
+    # stages 02-05
+    @property
+    def hidden_states(self) -> Path:
+        return self.root / "hidden_states"
+
+    # stage 02 (hidden states section below): D = hidden_states/ is what `speculators train --data-path` takes
+    @property
+    def hs_files(self) -> Path:
+        return self.hidden_states / "hidden_states"
+
+    def hs_file(self, index: int) -> Path:
+        return self.hs_files / f"hs_{index}.safetensors"
+
+    @property
+    def hs_manifest(self) -> Path:
+        return self.hidden_states / "manifest.json"
+
+    @property
+    def hs_errors(self) -> Path:
+        return self.hidden_states / "errors.jsonl"
+
+    @property
+    def hs_work(self) -> Path:
+        return self.hidden_states / "work"
+
+    def hs_shard(self, shard: int) -> Path:
+        return self.hs_work / f"shard_{shard}"
+
+    def hs_shard_file(self, shard: int, local_index: int) -> Path:
+        return self.hs_shard(shard) / f"hs_{local_index}.safetensors"
+
+    def hs_shard_journal(self, shard: int) -> Path:
+        return self.hs_shard(shard) / "done.jsonl"
+
+    @property
+    def vocab(self) -> Path:
+        return self.root / "vocab"
+
+    @property
+    def vocab_mapping(self) -> Path:
+        return self.vocab / "mapping.safetensors"
+
+    @property
+    def vocab_counts(self) -> Path:
+        return self.vocab / "token_counts.safetensors"
+
+    @property
+    def vocab_summary(self) -> Path:
+        return self.vocab / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def final_checkpoint(self) -> Path:
+        return self.checkpoints / "final"
+
+    def checkpoint_step(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    @property
+    def train_metrics(self) -> Path:
+        return self.checkpoints / "metrics.jsonl"
+
+    @property
+    def train_curves(self) -> Path:
+        return self.checkpoints / "curves.png"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log_file(self, stage: str) -> Path:
+        return self.logs / f"{stage}.log"
+
+    def provenance(self, stage_dir: Path) -> Path:
+        return stage_dir / "provenance.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atomic writes and JSONL
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``path``, fsync, then rename: readers see all or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def tmp_path_for(path: Path) -> Path:
+    """The temporary name a file is written under before ``os.replace`` gives it its real name."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def repair_jsonl(path: Path) -> int:
+    """Drop a torn last line (no trailing newline) left by a crash. Returns the number of bytes removed.
+
+    A complete line that is not valid JSON is not a crash artifact but corruption: that raises FormatError.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return 0
+        # Walk back to the last newline; everything after it is the torn record.
+        block = 1 << 16
+        pos = size
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            idx = chunk.rfind(b"\n")
+            if idx >= 0:
+                keep = start + idx + 1
+                break
+            pos = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    removed = size - keep
+    log.warning("repaired %s: removed a torn last line of %d bytes left by an interrupted run", path, removed)
+    return removed
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """Yield one dict per line; a line that is not JSON raises FormatError naming file and line."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not line.endswith("\n"):
+                raise FormatError(f"{path}:{lineno}: torn last line (no newline); run the stage again to repair it")
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
+class JsonlAppender:
+    """Append records to a JSONL file, one flushed line each. Repairs a torn last line on open.
+
+    ``fsync_every`` bounds how many records the OS may still hold in its cache at a power loss; a process crash
+    loses nothing that was written, since every line is flushed.
+    """
+
+    def __init__(self, path: Path, fsync_every: int = 64):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_jsonl(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._fsync_every = fsync_every
+        self._since_sync = 0
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.flush()
+        self._since_sync += 1
+        if self._since_sync >= self._fsync_every:
+            os.fsync(self._f.fileno())
+            self._since_sync = 0
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_jsonl_atomic(path: Path, records: Iterator[dict] | list[dict]) -> int:
+    """Write a whole JSONL file under a temporary name, then rename. Returns the number of records."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records: prepared/ and synthetic/
+
+
+@dataclass
+class TrainingRow:
+    """One training sample: token ids and a 0/1 loss mask of the same length (1 = supervised position)."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    source: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "") -> "TrainingRow":
+        try:
+            row = cls(id=d["id"], input_ids=d["input_ids"], loss_mask=d["loss_mask"], source=d.get("source", ""))
+        except KeyError as e:
+            raise FormatError(f"{where}: training row lacks field {e}") from None
+        row.check(where)
+        return row
+
+    def check(self, where: str = "") -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise FormatError(
+                f"{where}: row {self.id}: input_ids has {len(self.input_ids)} tokens, loss_mask {len(self.loss_mask)}"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise FormatError(f"{where}: row {self.id}: loss_mask holds values other than 0/1")
+        if not any(self.loss_mask):
+            raise FormatError(f"{where}: row {self.id}: no supervised token (loss_mask all 0)")
+
+
+@dataclass
+class Question:
+    """A prompt that stage 01b sends: the conversation up to (and including) its last user turn."""
+
+    id: str
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]
+    source: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "") -> "Question":
+        try:
+            q = cls(id=d["id"], messages=d["messages"], source=d.get("source", ""))
+        except KeyError as e:
+            raise FormatError(f"{where}: question lacks field {e}") from None
+        if not q.messages or q.messages[-1].get("role") != "user":
+            raise FormatError(f"{where}: question {q.id} does not end with a user turn")
+        return q
+
+
+@dataclass
+class DroppedRow:
+    """A dataset row that stage 01 did not keep, with the reason. Nothing is dropped without one of these."""
+
+    source: str
+    row: int  # row number in the source dataset (0-based)
+    reason: str
+    id: str = ""  # the row's id when it could be computed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Response:
+    """One finished generation request of stage 01b (server's exact token ids included)."""
+
+    id: str
+    messages: list[dict]
+    reasoning: str | None
+    content: str | None
+    finish_reason: str
+    usage: dict
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    server: str
+    latency_s: float
+    token_ids_source: str = "server"  # "server" (return_token_ids) or "rebuilt" (from text via the tokenizer)
+    flags: list[str] = field(default_factory=list)  # why it is left out of data.jsonl, e.g. ["length"]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Response":
+        return cls(**d)
+
+
+@dataclass
+class RequestError:
+    """A question whose request failed after all retries (retried again on the next run)."""
+
+    id: str
+    kind: str  # timeout | connection | http_5xx | http_4xx | bad_response
+    message: str
+    attempts: int
+    server: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def load_training_rows(path: Path) -> Iterator[TrainingRow]:
+    for i, d in enumerate(read_jsonl(path), 1):
+        yield TrainingRow.from_json(d, where=f"{path}:{i}")
+
+
+def load_questions(path: Path) -> Iterator[Question]:
+    for i, d in enumerate(read_jsonl(path), 1):
+        yield Question.from_json(d, where=f"{path}:{i}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Provenance: a small JSON beside each stage's output
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def package_versions(names: tuple[str, ...] = ("torch", "transformers", "datasets", "speculators", "vllm")) -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in names:
+        for dist in (name, f"{name}-cpu"):
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def write_provenance(path: Path, *, stage: str, config_hash: str, config: dict, inputs: list[str],
+                     counts: dict, started: float) -> None:
+    atomic_write_json(
+        path,
+        {
+            "format_version": FORMAT_VERSION,
+            "stage": stage,
+            "config_hash": config_hash,
+            "config": config,
+            "argv": sys.argv,
+            "git_revision": _git_revision(),
+            "packages": package_versions(),
+            "inputs": inputs,
+            "counts": counts,
+            "started": _dt.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+            "elapsed_s": round(time.time() - started, 1),
+        },
+    )
+
+
+def read_provenance(path: Path) -> dict | None:
+    path = Path(path)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hidden states (stage 02): the layout `speculators train --data-path <data_dir>/hidden_states` trains from
+#
+#   hidden_states/                        D: an HF `save_to_disk` dataset, torch format, one row per written sample
+#     data-*.arrow state.json dataset_info.json   columns input_ids int64 [T], loss_mask int64 [T], seq_len int
+#     hidden_states/hs_{i}.safetensors    i = row index in D. hidden_states [T, 4, H]: the aux layer states in
+#                                         ascending layer id (id k = residual stream entering decoder layer k),
+#                                         then the last decoder layer's output before the final norm; token_ids
+#                                         int64 [T] (= the row's input_ids). bf16: model dtype. fp8: float8_e4m3fn
+#                                         values + hidden_states_scales float32 [T, 1, 1] (hs_connectors' FP8
+#                                         layout; `--hidden-states-backend fp8` dequantises on read)
+#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
+#     errors.jsonl                        samples not written (non-finite states), one DroppedRow each
+#     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
+#                                         (HsJournalEntry); finalize renames the files into hidden_states/
+
+HS_KEY = "hidden_states"  # [T, num_states, H]
+HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
+HS_SCALES_KEY = "hidden_states_scales"  # float32 [T, 1, 1], fp8 storage only (same key as hs_connectors.fp8_utils)
+HS_STORAGE_DTYPES = ("bf16", "fp8")
+HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+def hs_bytes_per_token(num_states: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes one token costs on disk (states + token id, + scale for fp8), safetensors header excluded."""
+    if storage_dtype == "fp8":
+        return num_states * hidden_size + 4 + 8
+    return num_states * hidden_size * 2 + 8
+
+
+def quantize_hidden_states(hidden_states):
+    """[T, n, H] float -> (float8_e4m3fn [T, n, H], float32 scales [T, 1, 1]); hs_connectors' own per-token rule,
+    so what we write is exactly what its FP8 reader expects. Runs on any device (the GPU, before the copy out)."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    return quantize_tensor_to_fp8(hidden_states)
+
+
+def encode_hidden_states(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> bytes:
+    """safetensors bytes of one sample. ``hidden_states`` [T, n, H] in the model dtype, or already fp8 with
+    ``scales`` given (quantised on the GPU); ``token_ids`` [T]."""
+    import torch
+    from safetensors.torch import save as st_save
+
+    if storage_dtype not in HS_STORAGE_DTYPES:
+        raise ValueError(f"storage dtype must be one of {HS_STORAGE_DTYPES}, got {storage_dtype!r}")
+    if hidden_states.ndim != 3 or hidden_states.shape[0] != token_ids.shape[0]:
+        raise ValueError(f"hidden_states {tuple(hidden_states.shape)} must be [T, n, H] with T = {token_ids.shape[0]}")
+    tensors = {HS_TOKEN_IDS_KEY: token_ids.to(torch.int64).contiguous().cpu()}
+    if storage_dtype == "fp8":
+        if hidden_states.dtype != torch.float8_e4m3fn:
+            hidden_states, scales = quantize_hidden_states(hidden_states)
+        elif scales is None:
+            raise ValueError("fp8 hidden_states given without their scales")
+        tensors[HS_SCALES_KEY] = scales.to(torch.float32).contiguous().cpu()
+    tensors[HS_KEY] = hidden_states.contiguous().cpu()
+    return st_save(tensors)
+
+
+def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> int:
+    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written."""
+    data = encode_hidden_states(hidden_states, token_ids, storage_dtype, scales)
+    atomic_write_bytes(path, data)
+    return len(data)
+
+
+def load_hidden_states(path: Path, dtype=None) -> dict:
+    """{"hidden_states": [T, n, H], "token_ids": [T]}; fp8 files are dequantised (to ``dtype``, default bf16) the
+    way hs_connectors' FP8Transfer does it, so callers see the same values the trainer sees."""
+    import torch
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        data = load_file(str(path))
+    except Exception as e:
+        raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
+    for key in (HS_KEY, HS_TOKEN_IDS_KEY):
+        if key not in data:
+            raise FormatError(f"{path}: lacks tensor '{key}' (has {sorted(data)})")
+    if HS_SCALES_KEY in data:
+        scales = data.pop(HS_SCALES_KEY)
+        data[HS_KEY] = dequantize_fp8_tensor(data[HS_KEY], scales, dtype=dtype or torch.bfloat16)
+    elif dtype is not None:
+        data[HS_KEY] = data[HS_KEY].to(dtype)
+    return data
+
+
+def check_hidden_states_file(path: Path, token_ids: list[int] | None = None, num_states: int | None = None,
+                             hidden_size: int | None = None) -> dict:
+    """Load and check one sample file (shape, token ids, finite values); returns it. Raises FormatError."""
+    import torch
+
+    data = load_hidden_states(path)
+    hs, ids = data[HS_KEY], data[HS_TOKEN_IDS_KEY]
+    if hs.ndim != 3 or hs.shape[0] != ids.shape[0]:
+        raise FormatError(f"{path}: hidden_states {tuple(hs.shape)} does not match token_ids {tuple(ids.shape)}")
+    if num_states is not None and hs.shape[1] != num_states:
+        raise FormatError(f"{path}: {hs.shape[1]} states per token, expected {num_states}")
+    if hidden_size is not None and hs.shape[2] != hidden_size:
+        raise FormatError(f"{path}: hidden size {hs.shape[2]}, expected {hidden_size}")
+    if token_ids is not None and ids.tolist() != list(token_ids):
+        raise FormatError(f"{path}: token_ids differ from the row's input_ids")
+    if not bool(torch.isfinite(hs).all()):
+        raise FormatError(f"{path}: hidden_states hold NaN/Inf")
+    return data
+
+
+@dataclass
+class HsJournalEntry:
+    """One sample a worker finished: written under work/shard_{w}/hs_{local_index}.safetensors, or dropped."""
+
+    position: int  # 0-based line number of the sample in the input data.jsonl
+    id: str
+    local_index: int  # file index inside the shard dir; -1 when dropped
+    num_tokens: int
+    bytes: int
+    reason: str = ""  # why it was dropped (local_index -1), e.g. "non-finite hidden states"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HsJournalEntry":
+        return cls(**d)
+
+
+def load_hs_journal(path: Path) -> list[HsJournalEntry]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    repair_jsonl(path)
+    return [HsJournalEntry.from_json(d) for d in read_jsonl(path)]
+
+
+@dataclass
+class HiddenStatesManifest:
+    """manifest.json of hidden_states/: what was extracted, from what, how it is stored."""
+
+    verifier: str
+    num_layers: int  # decoder layers of the verifier; the final state is vLLM layer id num_layers
+    aux_layer_ids: list[int]  # state entering decoder layer k (vLLM convention), in the order stored
+    hidden_size: int
+    model_dtype: str  # dtype the verifier ran in
+    storage_dtype: str  # "bf16" or "fp8"
+    num_samples: int  # rows in the dataset = files in hidden_states/
+    num_tokens: int
+    num_dropped: int  # samples listed in errors.jsonl
+    bytes: int  # bytes of all sample files
+    input: str  # the data.jsonl extracted
+    config_hash: str  # hash of the shared + extract config sections that produced this
+    states: list[str] = field(default_factory=list)  # what each of the n states is, e.g. "enter layer 2", "final"
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def save_hs_manifest(path: Path, manifest: HiddenStatesManifest) -> None:
+    atomic_write_json(path, manifest.to_json())
+
+
+def load_hs_manifest(path: Path) -> HiddenStatesManifest | None:
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return HiddenStatesManifest(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise FormatError(f"{path}: not a hidden-states manifest ({e})") from None
+
+
+def check_hs_manifest(manifest: HiddenStatesManifest, **expected) -> list[str]:
+    """Fields of ``manifest`` that differ from ``expected`` (e.g. hidden_size=7168), as 'field: got X, want Y'."""
+    return [f"{k}: got {getattr(manifest, k)!r}, want {v!r}" for k, v in expected.items() if getattr(manifest, k) != v]
+
+
+def save_hs_rows(dataset_dir: Path, rows: list[tuple[list[int], list[int]]]) -> None:
+    """Write the speculators rows dataset (input_ids, loss_mask, seq_len; row i <-> hs_{i}) into ``dataset_dir``.
+
+    ``save_to_disk`` writes in place, so it goes to a temporary folder first and its files are renamed in, the
+    Arrow shards before state.json: a crash leaves either the old dataset or the new one readable."""
+    import shutil
+
+    from datasets import Dataset
+
+    dataset_dir = Path(dataset_dir)
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [list(map(int, ids)) for ids, _ in rows],
+            "loss_mask": [list(map(int, mask)) for _, mask in rows],
+            "seq_len": [len(ids) for ids, _ in rows],
+        }
+    )
+    ds.set_format(type="torch")  # what speculators' preprocessing leaves; its loader compares torch tensors
+    tmp = dataset_dir / f".rows.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    for old in dataset_dir.glob("data-*.arrow"):
+        old.unlink()
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in sorted(names, key=lambda n: n == "state.json"):
+        os.replace(tmp / name, dataset_dir / name)
+    tmp.rmdir()
+
+
+def load_hs_rows(dataset_dir: Path):
+    """The rows dataset of ``dataset_dir`` (torch format), as speculators loads it."""
+    from datasets import load_from_disk
+
+    return load_from_disk(str(dataset_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Vocab (stage 03): the draft vocabulary and its map onto the verifier's
+#
+#   vocab/
+#     mapping.safetensors       d2t int64 [N]: offsets, target id = i + d2t[i], target ids strictly ascending
+#                               t2d bool [V]: True at the N target ids in the draft vocabulary (vLLM ignores it)
+#     token_counts.safetensors  counts int64 [V]: supervised (loss_mask == 1) occurrences of each target id
+#     summary.json              VocabSummary: where the map came from, sizes, coverage of our supervised tokens
+#     provenance.json
+
+VOCAB_D2T_KEY = "d2t"
+VOCAB_T2D_KEY = "t2d"
+VOCAB_COUNTS_KEY = "counts"
+VOCAB_SOURCES = ("data", "checkpoint", "rebuilt")
+
+
+@dataclass
+class VocabSummary:
+    """summary.json of vocab/: what map stage 03 wrote and how much of our supervised data it covers."""
+
+    source: str  # "data" (top-N of our counts), "checkpoint" (kept from finetune_from), "rebuilt" (ours, replacing it)
+    draft_vocab_size: int
+    vocab_size: int
+    supervised_tokens: int  # loss_mask == 1 positions counted
+    coverage: float  # share of supervised tokens whose id is in the draft vocabulary
+    checkpoint: str = ""  # the warm-start checkpoint whose map was kept or replaced
+    checkpoint_coverage: float = -1.0  # coverage of the checkpoint's own map on our data (-1: no checkpoint)
+    shared_with_checkpoint: int = -1  # draft ids shared by our map and the checkpoint's (-1: no checkpoint)
+    rows_file: str = ""  # the data.jsonl counted
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def check_vocab_mapping(d2t, t2d, vocab_size: int | None = None, draft_vocab_size: int | None = None,
+                        where: str = "") -> None:
+    """Raise FormatError unless d2t/t2d are a consistent map (dtypes, sizes, ascending ids, t2d == set of d2t)."""
+    import torch
+
+    if d2t.dtype != torch.int64 or d2t.ndim != 1:
+        raise FormatError(f"{where}: d2t must be int64 [N], got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.ndim != 1:
+        raise FormatError(f"{where}: t2d must be bool [V], got {t2d.dtype} {tuple(t2d.shape)}")
+    if draft_vocab_size is not None and d2t.shape[0] != draft_vocab_size:
+        raise FormatError(f"{where}: d2t has {d2t.shape[0]} entries, draft_vocab_size is {draft_vocab_size}")
+    if vocab_size is not None and t2d.shape[0] != vocab_size:
+        raise FormatError(f"{where}: t2d covers {t2d.shape[0]} target ids, vocab_size is {vocab_size}")
+    target_ids = torch.arange(d2t.shape[0]) + d2t  # [N]
+    if target_ids.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= t2d.shape[0]):
+        raise FormatError(f"{where}: d2t maps outside the target vocabulary [0, {t2d.shape[0]})")
+    if target_ids.numel() > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise FormatError(f"{where}: d2t target ids are not strictly ascending")
+    if int(t2d.sum()) != d2t.shape[0] or not bool(t2d[target_ids].all()):
+        raise FormatError(f"{where}: t2d does not mark exactly the {d2t.shape[0]} target ids of d2t")
+
+
+def save_vocab(data_dir: "DataDir", d2t, t2d, counts, summary: VocabSummary) -> None:
+    """Write vocab/ (mapping, counts, summary), each file atomically, summary last."""
+    import torch
+    from safetensors.torch import save as st_save
+
+    check_vocab_mapping(d2t, t2d, summary.vocab_size, summary.draft_vocab_size, where="save_vocab")
+    atomic_write_bytes(data_dir.vocab_mapping, st_save({VOCAB_D2T_KEY: d2t.contiguous(), VOCAB_T2D_KEY: t2d.contiguous()}))
+    atomic_write_bytes(data_dir.vocab_counts, st_save({VOCAB_COUNTS_KEY: counts.to(torch.int64).contiguous()}))
+    atomic_write_json(data_dir.vocab_summary, summary.to_json())
+
+
+def load_vocab_mapping(path: Path, vocab_size: int | None = None, draft_vocab_size: int | None = None):
+    """(d2t int64 [N], t2d bool [V]) from a mapping.safetensors, checked."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run 03_build_vocab_mapping.py first")
+    data = load_file(str(path))
+    for key in (VOCAB_D2T_KEY, VOCAB_T2D_KEY):
+        if key not in data:
+            raise FormatError(f"{path}: lacks tensor '{key}' (has {sorted(data)})")
+    d2t, t2d = data[VOCAB_D2T_KEY], data[VOCAB_T2D_KEY]
+    check_vocab_mapping(d2t, t2d, vocab_size, draft_vocab_size, where=str(path))
+    return d2t, t2d
+
+
+def load_vocab_counts(path: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))[VOCAB_COUNTS_KEY]
+
+
+def load_vocab_summary(path: Path) -> VocabSummary:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run 03_build_vocab_mapping.py first")
+    try:
+        summary = VocabSummary(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise FormatError(f"{path}: not a vocab summary ({e})") from None
+    if summary.source not in VOCAB_SOURCES:
+        raise FormatError(f"{path}: source {summary.source!r} is not one of {VOCAB_SOURCES}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training checkpoints (stage 04)
+#
+#   checkpoints/
+#     step_{N}/            written under a temporary name, renamed when complete (so a listed one is whole)
+#       model.safetensors      the draft's own tensors (speculators names: layers.0.*, fc, norm, lm_head, d2t, t2d);
+#                              the verifier's embedding / final norm / lm_head are reloaded from the verifier
+#       optimizer.safetensors  AdamW state: "state.{param_index}.{step|exp_avg|exp_avg_sq}"
+#       optimizer.json         param_groups (hyper-parameters, param indices)
+#       scheduler.json         LR scheduler state_dict
+#       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
+#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}) and per epoch eval
+#     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
+#     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
+
+CKPT_MODEL_FILE = "model.safetensors"
+CKPT_OPTIMIZER_FILE = "optimizer.safetensors"
+CKPT_OPTIMIZER_GROUPS_FILE = "optimizer.json"
+CKPT_SCHEDULER_FILE = "scheduler.json"
+CKPT_STATE_FILE = "training_state.json"
+
+
+@dataclass
+class TrainingState:
+    """Where training stands at a checkpoint: resume continues with batch ``batches_done`` of ``epoch``."""
+
+    step: int  # optimizer steps done in total
+    epoch: int  # epoch in progress (== epochs once training finished)
+    batches_done: int  # batches of ``epoch`` already trained on
+    seed: int
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def save_train_checkpoint(folder: Path, model_state: dict, optimizer_state: dict, scheduler_state: dict,
+                          state: TrainingState) -> None:
+    """Write one training checkpoint folder atomically (temporary folder, then rename)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / CKPT_MODEL_FILE))
+    opt_tensors = {f"state.{idx}.{name}": value.detach().cpu().contiguous()
+                   for idx, entry in optimizer_state["state"].items() for name, value in entry.items()}
+    save_file(opt_tensors, str(tmp / CKPT_OPTIMIZER_FILE))
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optimizer_state["param_groups"]]
+    (tmp / CKPT_OPTIMIZER_GROUPS_FILE).write_text(json.dumps(groups))
+    (tmp / CKPT_SCHEDULER_FILE).write_text(json.dumps(scheduler_state))
+    (tmp / CKPT_STATE_FILE).write_text(json.dumps(state.to_json()))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def load_train_checkpoint(folder: Path) -> tuple[dict, dict, dict, TrainingState]:
+    """(model_state, optimizer_state, scheduler_state, TrainingState) of one checkpoint folder."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for name in (CKPT_MODEL_FILE, CKPT_OPTIMIZER_FILE, CKPT_OPTIMIZER_GROUPS_FILE, CKPT_SCHEDULER_FILE, CKPT_STATE_FILE):
+        if not (folder / name).is_file():
+            raise FormatError(f"{folder}: checkpoint lacks {name}")
+    model_state = load_file(str(folder / CKPT_MODEL_FILE))
+    state: dict[int, dict] = {}
+    for key, value in load_file(str(folder / CKPT_OPTIMIZER_FILE)).items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    groups = json.loads((folder / CKPT_OPTIMIZER_GROUPS_FILE).read_text())
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    scheduler_state = json.loads((folder / CKPT_SCHEDULER_FILE).read_text())
+    training_state = TrainingState(**json.loads((folder / CKPT_STATE_FILE).read_text()))
+    return model_state, {"state": state, "param_groups": groups}, scheduler_state, training_state
+
+
+def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """Complete step_N checkpoint folders, ascending by N (temporary folders are not listed)."""
+    out = []
+    for p in Path(checkpoints_dir).glob("step_*"):
+        suffix = p.name.removeprefix("step_")
+        if p.is_dir() and suffix.isdigit() and (p / CKPT_STATE_FILE).is_file():
+            out.append((int(suffix), p))
+    return sorted(out)

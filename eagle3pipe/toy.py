@@ -1,0 +1,321 @@
+"""Toy verifier kit: offline, seeded, tiny models that behave like Kimi-K2.5 where the pipeline cares.
+
+Builds into a folder a byte-level BPE tokenizer with Kimi's special tokens and a chat template shaped like K2.5's
+(generation prompt ends with ``<think>``, or ``<think></think>`` with ``thinking: false``), and a model in one of
+three flavours:
+
+- ``llama``: a LlamaForCausalLM (vLLM CPU serves it, also with an EAGLE-3 draft);
+- ``deepseek_v3``: a DeepseekV3ForCausalLM with MLA attention and MoE layers (1 dense + rest MoE, shared expert);
+- ``kimi_k25``: the same DeepseekV3 text model wrapped like Kimi-K2.5: ``KimiK25ForConditionalGeneration`` config
+  with a nested ``text_config``, weights under ``language_model.*`` beside a minimal vision tower.
+
+Weights are random but scaled so each layer moves the residual stream by tens of percent (embeddings N(0,1),
+matrices N(0, 1/fan_in), norm weights not all ones): an off-by-one layer then shows as a large error, not as bf16
+noise. A trained toy reasoning verifier (a later addition) reuses the tokenizer and configs built here.
+
+Usage: ``python -m eagle3pipe.toy --out DIR --flavour llama|deepseek_v3|kimi_k25 [--seed 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAVOURS = ("llama", "deepseek_v3", "kimi_k25")
+
+# Kimi-K2.5's special tokens, in the order the toy tokenizer appends them after its BPE vocabulary.
+SPECIAL_TOKENS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_middle|>",
+    "<think>",
+    "</think>",
+    "<|media_pad|>",
+    "[PAD]",
+]
+
+# Shaped like Kimi-K2.5's template: role headers, <|im_middle|>, <|im_end|>; the last assistant turn after the
+# final user message keeps its reasoning inside <think>...</think>, earlier ones get an empty <think></think>.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.get('reasoning_content') or m.get('reasoning') or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ m['content'] or '' }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+BPE_VOCAB_SIZE = 1008  # BPE merges + bytes; specials follow, then padding rows up to MODEL_VOCAB_SIZE
+MODEL_VOCAB_SIZE = 1088  # model vocab > tokenizer size, like K2.5 (163840 rows, fewer real tokens)
+
+
+def _corpus() -> list[str]:
+    """A fixed, generated text corpus for training the toy BPE: words, digits, math and chat-like phrases."""
+    words = (
+        "the of and to in is that for it as with was on be by this are from or an at which not have but can all "
+        "question answer think step first then next finally so therefore because result total sum number numbers "
+        "add plus minus times divided equals count sort sorted list order convert meters kilometers grams kilograms "
+        "seconds minutes hours what how many is the value of compute please explain why user assistant system "
+        "reasoning let me check again yes no true false hello world model draft token tokens layer hidden state"
+    ).split()
+    lines = []
+    for i in range(400):
+        a, b = (i * 37) % 997, (i * 53) % 991
+        w = " ".join(words[(i * k) % len(words)] for k in range(1, 12))
+        lines.append(f"{w}. {a} + {b} = {a + b}; {a} * 3 = {a * 3}. Sort [{b}, {a}, {i}] -> [{min(a, b, i)}, ...]")
+    return lines
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """Train a deterministic byte-level BPE on the fixed corpus and save it as a fast HF tokenizer with the template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        special_tokens=[],
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        pad_token="[PAD]",
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def _scale_init_(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise so every layer changes the residual stream substantially (see module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name and p.ndim == 1:
+                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.ndim >= 2:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+            elif "bias" in name:
+                p.zero_()
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.zero_()
+
+
+def text_config(flavour: str, num_layers: int = 8):
+    """The toy text config: tiny, but with head_dim >= 32 (vLLM CPU attention) and K2.5's MLA latent (512 + 64)."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    common = dict(
+        vocab_size=MODEL_VOCAB_SIZE,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKENS.index("[BOS]") + BPE_VOCAB_SIZE,
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + BPE_VOCAB_SIZE,
+    )
+    if flavour == "llama":
+        return LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, rope_theta=10000.0, **common)
+    return DeepseekV3Config(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=64,
+        kv_lora_rank=512,  # vLLM CPU's MLA decode kernel accepts only K2.5's latent: 512 + rope 64
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        rope_theta=10000.0,
+        **common,
+    )
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers: (2, n // 2, n - 3)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 0, num_layers: int = 8,
+                       dtype: str = "bfloat16") -> Path:
+    """Write tokenizer + model of ``flavour`` into ``out_dir``; returns the folder. Same seed, same bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if flavour not in FLAVOURS:
+        raise ValueError(f"unknown toy flavour {flavour!r} (choose from {', '.join(FLAVOURS)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    torch.manual_seed(seed)
+    cfg = text_config("llama" if flavour == "llama" else "deepseek_v3", num_layers)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _scale_init_(model, seed)
+    model = model.to(getattr(torch, dtype))
+    if flavour in ("llama", "deepseek_v3"):
+        model.save_pretrained(str(out))
+    else:
+        # save_pretrained writes the released per-expert layout (not the fused in-memory one); wrap those keys.
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            text_tensors = load_file(str(Path(tmp) / "model.safetensors"))
+        _save_kimi_k25(out, text_tensors, cfg, seed, dtype, save_file)
+    meta = {
+        "flavour": flavour,
+        "seed": seed,
+        "num_layers": num_layers,
+        "aux_layer_ids": default_aux_layer_ids(num_layers),
+        "think_token_id": _token_id(out, "<think>"),
+        "response_token_id": _token_id(out, "</think>"),
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    (out / "toy_verifier.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("toy verifier (%s) written to %s", flavour, out)
+    return out
+
+
+def _token_id(folder: Path, token: str) -> int:
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    for added in vocab["added_tokens"]:
+        if added["content"] == token:
+            return added["id"]
+    raise KeyError(token)
+
+
+def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: str, save_file) -> None:
+    """Released K2.5 layout, as vLLM's ``KimiK25ForConditionalGeneration`` loads it.
+
+    Text weights (``text_tensors``, the per-expert layout ``save_pretrained`` writes) go under ``language_model.``.
+    Vision tower and projector: tiny seeded tensors under the released MoonViT names
+    (``vision_tower.encoder.blocks.N.wqkv``, ``mm_projector.proj.0`` ...), plus ``preprocessor_config.json`` with
+    ``media_proc_cfg``, which vLLM's K2.5 processor reads at start-up even for text-only serving.
+    """
+    torch_dtype = getattr(torch, dtype)
+    tensors = {f"language_model.{k}": v.contiguous() for k, v in text_tensors.items()}
+    # Vision tower: hidden 64, 1 block, 2 heads, patch 14, 2x2 merge; position table 8x8.
+    vis_hidden, vis_mlp, patch, pos_hw, merge = 64, 128, 14, 8, 2
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        fan_in = shape[-1] if len(shape) > 1 else 1
+        return (torch.randn(shape, generator=gen) / math.sqrt(fan_in)).to(torch_dtype)
+
+    def norm(prefix: str, dim: int) -> dict:
+        return {f"{prefix}.weight": torch.ones(dim, dtype=torch_dtype), f"{prefix}.bias": torch.zeros(dim, dtype=torch_dtype)}
+
+    vt = "vision_tower"
+    tensors[f"{vt}.patch_embed.proj.weight"] = rand(vis_hidden, 3, patch, patch)
+    tensors[f"{vt}.patch_embed.proj.bias"] = torch.zeros(vis_hidden, dtype=torch_dtype)
+    tensors[f"{vt}.patch_embed.pos_emb.weight"] = rand(pos_hw, pos_hw, vis_hidden)
+    block = f"{vt}.encoder.blocks.0"
+    tensors.update(norm(f"{block}.norm0", vis_hidden) | norm(f"{block}.norm1", vis_hidden))
+    for name, (rows, cols) in {"wqkv": (3 * vis_hidden, vis_hidden), "wo": (vis_hidden, vis_hidden),
+                               "mlp.fc0": (vis_mlp, vis_hidden), "mlp.fc1": (vis_hidden, vis_mlp)}.items():
+        tensors[f"{block}.{name}.weight"] = rand(rows, cols)
+        tensors[f"{block}.{name}.bias"] = torch.zeros(rows, dtype=torch_dtype)
+    tensors.update(norm(f"{vt}.encoder.final_layernorm", vis_hidden))
+    merged = vis_hidden * merge * merge  # the projector sees 2x2 merged patches
+    tensors.update(norm("mm_projector.pre_norm", vis_hidden))
+    tensors["mm_projector.proj.0.weight"] = rand(merged, merged)
+    tensors["mm_projector.proj.0.bias"] = torch.zeros(merged, dtype=torch_dtype)
+    tensors["mm_projector.proj.2.weight"] = rand(text_cfg.hidden_size, merged)
+    tensors["mm_projector.proj.2.bias"] = torch.zeros(text_cfg.hidden_size, dtype=torch_dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    text_dict = text_cfg.to_dict()
+    text_dict["model_type"] = "deepseek_v3"
+    text_dict["architectures"] = ["DeepseekV3ForCausalLM"]
+    vision_dict = {
+        "model_type": "kimi_k25_vision", "patch_size": patch, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "hidden_size": vis_hidden, "intermediate_size": vis_mlp, "pos_emb_height": pos_hw, "pos_emb_width": pos_hw,
+        "pos_emb_time": 4, "merge_kernel_size": [merge, merge], "hidden_act": "gelu_pytorch_tanh",
+    }
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_dict,
+        "vision_config": vision_dict,
+        "media_placeholder_token_id": _token_id(out, "<|media_pad|>"),  # the released name
+        "image_token_id": _token_id(out, "<|media_pad|>"),  # transformers' name, which vLLM reads
+        "projection_hidden_size": vis_hidden,
+        "pad_token_id": _token_id(out, "[PAD]"),
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # Small patch limits keep vLLM's start-up profiling of the vision tower cheap on CPU.
+    preprocessor = {
+        "media_proc_cfg": {
+            "patch_size": patch, "merge_kernel_size": [merge, merge], "in_patch_limit": 64,
+            "patch_limit_on_one_side": 16, "in_patch_limit_each_frame": 64, "in_patch_limit_video": 256,
+            "fixed_output_tokens": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "temporal_merge_kernel_size": 4,
+        }
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Build an offline toy verifier (tokenizer + model) into a folder.")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--flavour", choices=FLAVOURS, default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build_toy_verifier(args.out, args.flavour, args.seed, args.num_layers, args.dtype)
+
+
+if __name__ == "__main__":
+    main()

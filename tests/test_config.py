@@ -1,0 +1,74 @@
+"""Config loading: defaults, YAML, flags, precedence, and errors that name the culprit."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3pipe.config import ConfigError, load_config, parse_stage_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kimi_k25_yaml_holds_the_issue_defaults():
+    cfg = load_config(ROOT / "configs/kimi_k25.yaml")
+    s, g = cfg.shared, cfg.generate
+    assert (s.think_token_id, s.response_token_id) == (163606, 163607)
+    assert s.aux_layer_ids == [2, 30, 58]
+    assert (s.hidden_size, s.vocab_size, s.draft_vocab_size, s.max_seq_len) == (7168, 163840, 32000, 16384)
+    assert (g.concurrency, g.request_timeout_s, g.max_completion_tokens, g.max_samples, g.min_completion_tokens) == (
+        128, 1800.0, 8192, 10000, 50)
+
+
+def test_demo_yaml_loads():
+    cfg = load_config(ROOT / "configs/demo.yaml")
+    assert cfg.shared.data_dir == "data/demo"
+
+
+def test_flag_beats_yaml_beats_default(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("shared:\n  data_dir: from_yaml\n  seed: 7\ngenerate:\n  concurrency: 4\n")
+    cfg = parse_stage_args("generate", ["--config", str(y), "--concurrency", "9", "--vllm-url", "http://a:1",
+                                        "--vllm-url", "http://b:2", "--verifier", "v"])
+    assert cfg.shared.data_dir == "from_yaml" and cfg.shared.seed == 7  # YAML over default
+    assert cfg.generate.concurrency == 9  # flag over YAML
+    assert cfg.shared.vllm_url == ["http://a:1", "http://b:2"]  # repeatable flag
+    assert cfg.generate.request_timeout_s == 1800.0  # default
+    cfg = parse_stage_args("extract", ["--aux-layer-ids", "1", "3", "5", "--no-thinking", "--verifier", "v"])
+    assert cfg.shared.aux_layer_ids == [1, 3, 5] and cfg.shared.thinking is False
+
+
+@pytest.mark.parametrize(
+    "yaml_text, fragment",
+    [
+        ("shared:\n  data_dri: x\n", "unknown key 'shared.data_dri'"),
+        ("generat:\n  concurrency: 3\n", "unknown section 'generat'"),
+        ("generate:\n  concurrency: many\n", "key 'generate.concurrency' must be an integer, got 'many'"),
+        ("shared:\n  thinking: 1\n", "key 'shared.thinking' must be true or false"),
+        ("shared:\n  aux_layer_ids: [2, x, 5]\n", "key 'shared.aux_layer_ids[1]' must be an integer"),
+    ],
+)
+def test_bad_keys_and_types_are_named(tmp_path, yaml_text, fragment):
+    y = tmp_path / "bad.yaml"
+    y.write_text(yaml_text)
+    with pytest.raises(ConfigError) as e:
+        load_config(y)
+    assert fragment in str(e.value) and str(y) in str(e.value)
+
+
+def test_bad_config_key_is_a_one_line_error_from_the_script(tmp_path):
+    y = tmp_path / "bad.yaml"
+    y.write_text("prepare:\n  max_sample: 3\n")
+    r = subprocess.run([sys.executable, "01_prepare_data.py", "--config", str(y)], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert "unknown key 'prepare.max_sample'" in r.stderr
+
+
+def test_validate_names_the_missing_flag():
+    with pytest.raises(ConfigError, match="--vllm-url"):
+        parse_stage_args("generate", ["--verifier", "v"])
+    with pytest.raises(ConfigError, match="--dataset"):
+        parse_stage_args("prepare", ["--verifier", "v"])

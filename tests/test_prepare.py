@@ -1,0 +1,152 @@
+"""Stage 01 end to end: every dataset shape, dropped rows listed with reasons, reruns, one-line errors, no-TTY progress."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+from eagle3pipe.chat import load_tokenizer, normalize_messages, tokenize_with_loss_mask
+from eagle3pipe.cli import StageError
+from eagle3pipe.config import load_config
+from eagle3pipe.prepare import conversation_id, run_prepare
+from eagle3pipe.records import DataDir, load_questions, load_training_rows, read_jsonl
+
+from test_chat import OPENAI_ROW, PERFECTBLEND_ROW, SHAREGPT_ROW, masked_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(toy, meta, data_dir, datasets_, **prepare):
+    cfg = load_config(overrides={
+        "shared": {"data_dir": str(data_dir), "verifier": str(toy), "think_token_id": meta["think_token_id"],
+                   "response_token_id": meta["response_token_id"], "max_seq_len": 256, "progress_every_s": 0.0},
+        "prepare": {"dataset": [str(d) for d in datasets_], **prepare},
+    })
+    cfg.validate("prepare")
+    return cfg
+
+
+@pytest.fixture
+def shaped_files(tmp_path):
+    """One file per supported shape, in the format real datasets ship in, with a malformed row among them."""
+    openai = tmp_path / "openai_chats.jsonl"
+    rows = [OPENAI_ROW, {"messages": [{"role": "user", "content": "only a question, no answer"}]},
+            {"messages": [{"role": "robot", "content": "bad role"}]}, OPENAI_ROW]  # last one: duplicate
+    openai.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sharegpt = tmp_path / "sharegpt.json"  # ShareGPT ships a JSON array
+    sharegpt.write_text(json.dumps([SHAREGPT_ROW, {"conversations": [{"from": "human", "value": "x" * 3000},
+                                                                     {"from": "gpt", "value": "long"}]}]))
+    blend = tmp_path / "perfectblend.parquet"
+    datasets.Dataset.from_list([PERFECTBLEND_ROW]).to_parquet(str(blend))
+    return openai, sharegpt, blend
+
+
+def test_every_shape_prepared_with_exact_masks_and_listed_drops(tmp_path, toy_llama, toy_meta, shaped_files):
+    cfg = make_cfg(toy_llama, toy_meta, tmp_path / "d", shaped_files)
+    counts = run_prepare(cfg)
+    dd = DataDir(tmp_path / "d")
+    rows = list(load_training_rows(dd.prepared_data))
+    questions = {q.id: q for q in load_questions(dd.questions)}
+    errors = list(read_jsonl(dd.prepared_errors))
+    tok = load_tokenizer(toy_llama)
+
+    expected = {"openai_chats": OPENAI_ROW, "sharegpt": SHAREGPT_ROW, "perfectblend": PERFECTBLEND_ROW}
+    assert sorted(r.source for r in rows) == sorted(expected)
+    for row in rows:
+        messages = normalize_messages(expected[row.source])
+        assert row.id == conversation_id(row.source, messages)
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert [tok.decode(run) for run in masked_runs(row.input_ids, row.loss_mask)] == [
+            "</think>" + a + "<|im_end|>" for a in answers]
+        assert questions[row.id].messages == messages[: max(i for i, m in enumerate(messages) if m["role"] == "user")
+                                                      + 1]
+    # The question-only row becomes a question for 01b but not a training row.
+    assert counts["question_only"] == 1 and len(questions) == 4
+    reasons = {(e["source"], e["row"]): e["reason"] for e in errors}
+    assert reasons[("openai_chats", 2)].startswith("malformed: turn 0 has unknown role 'robot'")
+    assert reasons[("openai_chats", 3)] == "duplicate conversation"
+    assert reasons[("sharegpt", 1)].startswith("too long:") and "max_seq_len 256" in reasons[("sharegpt", 1)]
+    assert counts["dropped"] == len(errors) == 3
+    assert counts["rows_read"] == counts["questions"] + counts["dropped"]
+
+
+def test_truncate_policy_keeps_prefix(tmp_path, toy_llama, toy_meta):
+    src = tmp_path / "long.jsonl"
+    long_answer = {"messages": [{"role": "user", "content": "count"},
+                                {"role": "assistant", "content": " ".join(str(i) for i in range(200))}]}
+    long_question = {"messages": [{"role": "user", "content": "y" * 2000}, {"role": "assistant", "content": "ok"}]}
+    src.write_text(json.dumps(long_answer) + "\n" + json.dumps(long_question) + "\n")
+    cfg = make_cfg(toy_llama, toy_meta, tmp_path / "d", [src], truncation="truncate")
+    cfg.shared.max_seq_len = 40
+    counts = run_prepare(cfg)
+    dd = DataDir(tmp_path / "d")
+    rows = list(load_training_rows(dd.prepared_data))
+    full_ids, _ = tokenize_with_loss_mask(load_tokenizer(toy_llama), normalize_messages(long_answer), thinking=True)
+    assert counts["truncated"] == 1 and [r.input_ids for r in rows] == [full_ids[:40]]
+    (err,) = list(read_jsonl(dd.prepared_errors))
+    assert err["row"] == 1 and err["reason"] == "too long: no supervised token within the first 40 tokens"
+
+
+def test_rerun_skips_and_changed_config_refuses(tmp_path, toy_llama, toy_meta, shaped_files):
+    cfg = make_cfg(toy_llama, toy_meta, tmp_path / "d", shaped_files)
+    run_prepare(cfg)
+    dd = DataDir(tmp_path / "d")
+    before = dd.prepared_data.read_bytes()
+    mtime = dd.prepared_data.stat().st_mtime_ns
+    run_prepare(cfg)
+    assert dd.prepared_data.stat().st_mtime_ns == mtime  # skipped, untouched
+    cfg.shared.max_seq_len = 128
+    with pytest.raises(StageError, match="different config.*--overwrite"):
+        run_prepare(cfg)
+    cfg.prepare.overwrite = True
+    run_prepare(cfg)
+    cfg2 = make_cfg(toy_llama, toy_meta, tmp_path / "d2", shaped_files)
+    run_prepare(cfg2)
+    # Deterministic: ids and tokens identical across runs into different folders.
+    assert [json.loads(x)["id"] for x in before.splitlines()] == [
+        json.loads(x)["id"] for x in DataDir(tmp_path / "d2").prepared_data.read_bytes().splitlines()]
+
+
+def _run_script(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "01_prepare_data.py", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL)
+
+
+def test_ten_thousand_rows_without_tty_print_plain_progress(tmp_path, toy_llama, toy_meta):
+    src = tmp_path / "big.jsonl"
+    with open(src, "w") as f:
+        for i in range(10_000):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                                             {"role": "assistant", "content": str(i + i % 7)}]}) + "\n")
+        f.write("{broken json\n")
+    r = _run_script("--verifier", toy_llama, "--think-token-id", toy_meta["think_token_id"], "--response-token-id",
+                    toy_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-samples",
+                    0, "--progress-every-s", 0.5)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "Progress" in ln or "Prepare big:" in ln]
+    pattern = re.compile(r"Prepare big: \d+/\d+ \(\d+ errors\), [\d.]+ rows/s, kept: \d+, elapsed: \d+s, eta: \S+")
+    assert lines and all(pattern.search(ln) for ln in lines), r.stderr[-2000:]
+    assert "\r" not in r.stderr  # no tqdm bar redraws in a log read with tail -f
+    log = (tmp_path / "d/logs/01_prepare.log").read_text()
+    assert "prepared 10000 training rows" in log and "dropped 1" in log
+    err = list(read_jsonl(tmp_path / "d/prepared/errors.jsonl"))
+    assert err == [{"source": "big", "row": 10000, "reason": err[0]["reason"], "id": ""}]
+    assert err[0]["reason"].startswith("malformed: not valid JSON")
+
+
+def test_missing_dataset_and_wrong_think_id_are_one_line_errors(tmp_path, toy_llama, toy_meta):
+    r = _run_script("--verifier", toy_llama, "--data-dir", tmp_path / "d", "--dataset", tmp_path / "nope.jsonl",
+                    "--think-token-id", toy_meta["think_token_id"], "--response-token-id",
+                    toy_meta["response_token_id"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"error: dataset file not found: {tmp_path / 'nope.jsonl'} (from --dataset)"
+    src = tmp_path / "ok.jsonl"
+    src.write_text(json.dumps(OPENAI_ROW) + "\n")
+    r = _run_script("--verifier", toy_llama, "--data-dir", tmp_path / "d", "--dataset", src)  # K2.5 ids vs the toy
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config shared.think_token_id = 163606 but the tokenizer maps '<think>' to")

@@ -1,0 +1,69 @@
+"""The toy verifier kit: deterministic, loadable, and shaped like Kimi-K2.5 where the pipeline cares."""
+
+import hashlib
+import json
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+from eagle3pipe.chat import load_tokenizer
+from eagle3pipe.toy import SPECIAL_TOKENS, build_toy_verifier
+
+
+def _digest(folder):
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "model.safetensors"):
+        h.update((folder / name).read_bytes())
+    return h.hexdigest()
+
+
+def test_same_seed_same_bytes(tmp_path, toy_llama):
+    again = build_toy_verifier(tmp_path / "again", "llama", seed=0)
+    assert _digest(again) == _digest(toy_llama)
+    other = build_toy_verifier(tmp_path / "other", "llama", seed=1)
+    assert _digest(other) != _digest(toy_llama)
+
+
+def test_tokenizer_has_kimi_special_tokens(toy_llama, toy_meta):
+    tok = load_tokenizer(toy_llama)
+    for t in SPECIAL_TOKENS:
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == t, t
+    assert tok.convert_tokens_to_ids("<think>") == toy_meta["think_token_id"]
+    assert toy_meta["aux_layer_ids"] == [2, 4, 5]
+
+
+def test_flavours_load_and_run(toy_llama, toy_deepseek):
+    for folder, arch in ((toy_llama, "LlamaForCausalLM"), (toy_deepseek, "DeepseekV3ForCausalLM")):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert type(model).__name__ == arch
+        out = model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True)
+        hs = out.hidden_states
+        # Scaled init: every layer moves the residual stream by a visible amount (off-by-one layers must show).
+        for k in range(1, len(hs) - 1):
+            rel = (hs[k + 1] - hs[k]).norm() / hs[k].norm()
+            assert rel > 0.1, (arch, k, float(rel))
+    cfg = AutoConfig.from_pretrained(toy_deepseek)
+    assert cfg.kv_lora_rank == 512 and cfg.qk_rope_head_dim == 64 and cfg.n_routed_experts > 1
+
+
+def test_kimi_k25_layout_nested_config_and_language_model_weights(toy_kimi, toy_deepseek):
+    raw = json.loads((toy_kimi / "config.json").read_text())
+    assert raw["architectures"] == ["KimiK25ForConditionalGeneration"] and raw["model_type"] == "kimi_k25"
+    cfg = AutoConfig.from_pretrained(toy_kimi)
+    assert cfg.text_config.model_type == "deepseek_v3"
+    tensors = load_file(toy_kimi / "model.safetensors")
+    assert "language_model.model.embed_tokens.weight" in tensors and "language_model.lm_head.weight" in tensors
+    # The released per-expert layout, wrapped: same keys and bytes as the plain DeepseekV3 flavour (same seed).
+    plain = load_file(toy_deepseek / "model.safetensors")
+    assert set(plain) == {k[len("language_model."):] for k in tensors if k.startswith("language_model.")}
+    for k, v in plain.items():
+        assert torch.equal(tensors["language_model." + k], v), k
+    # The text model loads exactly from the nested layout (not left randomly initialised with a warning).
+    model = DeepseekV3ForCausalLM.from_pretrained(toy_kimi, config=cfg.text_config,
+                                                  key_mapping={"^language_model\\.": ""})
+    reference = DeepseekV3ForCausalLM.from_pretrained(toy_deepseek)
+    ref_sd = reference.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref_sd[k]), k

@@ -1,0 +1,38 @@
+"""Session-scoped factory fixtures for the toy verifier kit (loaded by pytest as a plugin, see pyproject.toml)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3pipe.toy import build_toy_verifier
+
+
+def _toy(tmp_path_factory, flavour: str, dtype: str = "bfloat16") -> Path:
+    return build_toy_verifier(tmp_path_factory.mktemp(f"toy_{flavour}_{dtype}"), flavour, seed=0, dtype=dtype)
+
+
+@pytest.fixture(scope="session")
+def toy_llama(tmp_path_factory) -> Path:
+    """Toy Llama verifier (bf16) with the Kimi-style tokenizer; see eagle3pipe/toy.py."""
+    return _toy(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def toy_deepseek(tmp_path_factory) -> Path:
+    """Toy DeepseekV3 (MLA + MoE) verifier (bf16)."""
+    return _toy(tmp_path_factory, "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def toy_kimi(tmp_path_factory) -> Path:
+    """Toy DeepseekV3 wrapped like Kimi-K2.5 (nested text_config, language_model.* weights)."""
+    return _toy(tmp_path_factory, "kimi_k25")
+
+
+@pytest.fixture(scope="session")
+def toy_meta(toy_llama) -> dict:
+    """toy_verifier.json of the toy: token ids, aux layer ids, sizes (same tokenizer for every flavour)."""
+    return json.loads((toy_llama / "toy_verifier.json").read_text())
