@@ -57,13 +57,16 @@ class GenerateConfig:
     concurrency: int = 128  # requests in flight at once, over all servers
     request_timeout_s: float = 1800.0  # per-request client timeout, seconds
     max_retries: int = 3  # retries after a timeout, connection error or 5xx, with exponential backoff
-    max_samples: int = 10000  # questions sent in this run (cap); 0 = all
+    max_samples: int = 10000  # questions taken from questions.jsonl (the first N; a rerun resumes them); 0 = all
     max_completion_tokens: int = 8192  # cap on reasoning + answer tokens per request
     min_completion_tokens: int = 50  # completions shorter than this are kept in responses but left out of data
     temperature: float = 0.6  # sampling temperature sent to the server
     top_p: float = 0.95  # nucleus sampling sent to the server
     include_truncated: bool = False  # also train on finish_reason length/abort/repetition records
     empty_reasoning_max_share: float = 0.05  # stop if more than this share of the first 100 have no reasoning
+    retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
+    request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
+    overwrite: bool = False  # delete synthetic/ outputs made with different sampling settings instead of refusing
 
 
 @dataclass
@@ -76,7 +79,7 @@ class ExtractConfig:
     force_disk: bool = False  # start even when the preflight says the output will not fit on disk
     num_workers: int = 0  # data-parallel worker processes, one per GPU, disjoint shards; 0 = one per visible GPU
     device_map: str = ""  # "" = whole verifier on each worker's device; "auto" = split layers over all GPUs (1 worker)
-    writer_threads: int = 4  # background threads writing sample files (compute never waits on disk)
+    writer_threads: int = 8  # background threads writing sample files (compute never waits on disk)
     max_pending_batches: int = 4  # batches computed but not yet written before the forward loop waits (memory cap)
     overwrite: bool = False  # delete an existing hidden_states/ made from other inputs/config instead of refusing
 
@@ -117,6 +120,13 @@ class EvaluateConfig:
     num_prompts: int = 64  # held-out prompts sent
     concurrency: int = 8  # requests in flight during evaluation
     max_completion_tokens: int = 512  # cap per evaluation request
+    prompts: str = ""  # held-out prompts: JSONL chat file (messages/conversations), cut at the last user turn
+    temperature: float = 0.0  # sampling temperature of evaluation requests (0 = greedy)
+    request_timeout_s: float = 600.0  # per-request client timeout, seconds
+    eval_url: str = ""  # a running vLLM server already serving verifier + draft (no /v1); empty = start one
+    baseline: bool = True  # also measure tokens/s without the draft (starts a second server unless --baseline-url)
+    baseline_url: str = ""  # a running vLLM server serving the verifier without a draft (no /v1)
+    server_args: list[str] = field(default_factory=list)  # extra vLLM flags for servers started here
 
 
 SECTIONS: dict[str, type] = {
@@ -171,8 +181,8 @@ class PipelineConfig:
                 raise ConfigError(f"prepare.truncation must be 'drop' or 'truncate', got {self.prepare.truncation!r}")
         if stage in ("prepare", "generate", "extract") and not self.tokenizer_path:
             raise ConfigError("shared.verifier (or shared.tokenizer) is empty: pass --verifier DIR")
-        if stage == "generate" and not s.vllm_url:
-            raise ConfigError("shared.vllm_url is empty: pass --vllm-url http://HOST:PORT (repeatable)")
+        if stage == "generate":
+            self._validate_generate()
         if stage == "extract":
             if self.extract.input not in ("synthetic", "prepared"):
                 raise ConfigError(f"extract.input must be 'synthetic' or 'prepared', got {self.extract.input!r}")
@@ -194,6 +204,43 @@ class PipelineConfig:
                 raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
             if t.resume and t.overwrite:
                 raise ConfigError("train.resume and train.overwrite exclude each other: pick one")
+        if stage == "evaluate":
+            ev = self.evaluate
+            if not ev.prompts:
+                raise ConfigError("evaluate.prompts is empty: pass --prompts FILE.jsonl (held-out chat prompts)")
+            if ev.num_speculative_tokens < 1 or ev.concurrency < 1:
+                raise ConfigError("evaluate.num_speculative_tokens and evaluate.concurrency must be >= 1")
+            if not ev.eval_url and not s.verifier:
+                raise ConfigError("shared.verifier is empty: pass --verifier DIR (or --eval-url of a running server)")
+
+
+    def _validate_generate(self) -> None:
+        g = self.generate
+        if not self.shared.vllm_url:
+            raise ConfigError("shared.vllm_url is empty: pass --vllm-url http://HOST:PORT (repeatable)")
+        for url in self.shared.vllm_url:
+            if not url.startswith(("http://", "https://")) or url.rstrip("/").endswith("/v1"):
+                raise ConfigError(f"shared.vllm_url {url!r}: give the server root without /v1, e.g. http://HOST:8000")
+        for key in ("concurrency", "max_completion_tokens"):
+            if getattr(g, key) < 1:
+                raise ConfigError(f"generate.{key} must be >= 1, got {getattr(g, key)}")
+        for key in ("request_timeout_s", "retry_backoff_s"):
+            if getattr(g, key) <= 0:
+                raise ConfigError(f"generate.{key} must be > 0 seconds, got {getattr(g, key)}")
+        if g.max_retries < 0 or g.max_samples < 0 or g.min_completion_tokens < 0:
+            raise ConfigError("generate.max_retries, max_samples and min_completion_tokens must be >= 0")
+        if g.min_completion_tokens > g.max_completion_tokens:
+            raise ConfigError(f"generate.min_completion_tokens {g.min_completion_tokens} exceeds max_completion_tokens "
+                              f"{g.max_completion_tokens}: no completion could enter data.jsonl")
+        if not 0.0 <= g.empty_reasoning_max_share <= 1.0:
+            raise ConfigError(f"generate.empty_reasoning_max_share must be in [0, 1], got {g.empty_reasoning_max_share}")
+        if g.request_extra_json:
+            try:
+                extra = json.loads(g.request_extra_json)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"generate.request_extra_json is not valid JSON ({e.msg})") from None
+            if not isinstance(extra, dict):
+                raise ConfigError("generate.request_extra_json must be a JSON object, e.g. '{\"top_k\": 20}'")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -158,6 +158,27 @@ class DataDir:
     def eval(self) -> Path:
         return self.root / "eval"
 
+    # stage 05 (formats in the "Stage 05: evaluation report" section)
+    @property
+    def eval_report(self) -> Path:
+        return self.eval / "report.json"
+
+    @property
+    def eval_markdown(self) -> Path:
+        return self.eval / "report.md"
+
+    @property
+    def eval_plot(self) -> Path:
+        return self.eval / "acceptance.png"
+
+    def eval_server_log(self, kind: str) -> Path:
+        """Log of a vLLM server stage 05 started (``kind``: draft or baseline)."""
+        return self.logs / f"05_vllm_{kind}.log"
+
+    # run_all.sh: a stage's done-marker, written only on success, holding the config hash it ran with
+    def stage_marker(self, stage: str) -> Path:
+        return self.root / "run_all" / f"{stage}.done"
+
     @property
     def logs(self) -> Path:
         return self.root / "logs"
@@ -384,13 +405,17 @@ class Response:
     latency_s: float
     token_ids_source: str = "server"  # "server" (return_token_ids) or "rebuilt" (from text via the tokenizer)
     flags: list[str] = field(default_factory=list)  # why it is left out of data.jsonl, e.g. ["length"]
+    reasoning_field: str = ""  # message field the reasoning was read from ("reasoning", "reasoning_content", ...)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(vars(self))  # flat record: no deep copy of the id lists (asdict costs ms per long response)
 
     @classmethod
-    def from_json(cls, d: dict) -> "Response":
-        return cls(**d)
+    def from_json(cls, d: dict, where: str = "") -> "Response":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise FormatError(f"{where}: response record does not match the Response format ({e})") from None
 
 
 @dataclass
@@ -415,6 +440,64 @@ def load_training_rows(path: Path) -> Iterator[TrainingRow]:
 def load_questions(path: Path) -> Iterator[Question]:
     for i, d in enumerate(read_jsonl(path), 1):
         yield Question.from_json(d, where=f"{path}:{i}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic (stage 01b): responses.jsonl / data.jsonl / errors.jsonl, one id in at most one of responses / errors
+
+
+def load_responses(path: Path) -> Iterator[Response]:
+    for i, d in enumerate(read_jsonl(path), 1):
+        yield Response.from_json(d, where=f"{path}:{i}")
+
+
+def load_request_errors(path: Path) -> Iterator[RequestError]:
+    for i, d in enumerate(read_jsonl(path), 1):
+        try:
+            yield RequestError(**d)
+        except TypeError as e:
+            raise FormatError(f"{path}:{i}: error record does not match the RequestError format ({e})") from None
+
+
+def _ids_with_duplicates(path: Path) -> tuple[set[str], set[str]]:
+    seen: set[str] = set()
+    dup: set[str] = set()
+    if Path(path).exists():
+        for d in read_jsonl(path):
+            (dup if d["id"] in seen else seen).add(d["id"])
+    return seen, dup
+
+
+@dataclass
+class SyntheticCheck:
+    """Id bookkeeping of a synthetic/ folder against the ids that were asked for."""
+
+    expected: int  # ids the run was asked to finish
+    finished: int  # distinct ids in responses.jsonl
+    errored: int  # distinct ids in errors.jsonl
+    trained: int  # distinct ids in data.jsonl
+    duplicated: list[str]  # ids written twice in one file, or present in both responses and errors
+    missing: list[str]  # expected ids in neither responses nor errors
+    data_without_response: list[str]  # ids in data.jsonl with no response record
+
+    def ok(self) -> bool:
+        return not (self.duplicated or self.missing or self.data_without_response)
+
+    def figures(self) -> str:
+        return (f"ids sent {self.expected}, finished {self.finished}, errored {self.errored}, "
+                f"in data {self.trained}, duplicated {len(self.duplicated)}, missing {len(self.missing)}")
+
+
+def check_synthetic(dd: "DataDir", expected_ids: list[str]) -> SyntheticCheck:
+    """Every expected id in exactly one of responses/errors, none twice; every data row backed by a response."""
+    responses, dup_r = _ids_with_duplicates(dd.responses)
+    errors, dup_e = _ids_with_duplicates(dd.synthetic_errors)
+    data, dup_d = _ids_with_duplicates(dd.synthetic_data)
+    duplicated = sorted(dup_r | dup_e | dup_d | (responses & errors))
+    missing = sorted(set(expected_ids) - responses - errors)
+    return SyntheticCheck(expected=len(set(expected_ids)), finished=len(responses), errored=len(errors),
+                          trained=len(data), duplicated=duplicated, missing=missing,
+                          data_without_response=sorted(data - responses))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -511,11 +594,10 @@ def quantize_hidden_states(hidden_states):
     return quantize_tensor_to_fp8(hidden_states)
 
 
-def encode_hidden_states(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> bytes:
-    """safetensors bytes of one sample. ``hidden_states`` [T, n, H] in the model dtype, or already fp8 with
-    ``scales`` given (quantised on the GPU); ``token_ids`` [T]."""
+def hidden_states_tensors(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> dict:
+    """The tensors of one sample file. ``hidden_states`` [T, n, H] in the model dtype, or already fp8 with
+    ``scales`` given (quantised on the GPU); ``token_ids`` [T]. CPU tensors are used as they are (no copy)."""
     import torch
-    from safetensors.torch import save as st_save
 
     if storage_dtype not in HS_STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {HS_STORAGE_DTYPES}, got {storage_dtype!r}")
@@ -529,14 +611,34 @@ def encode_hidden_states(hidden_states, token_ids, storage_dtype: str = "bf16", 
             raise ValueError("fp8 hidden_states given without their scales")
         tensors[HS_SCALES_KEY] = scales.to(torch.float32).contiguous().cpu()
     tensors[HS_KEY] = hidden_states.contiguous().cpu()
-    return st_save(tensors)
+    return tensors
+
+
+def encode_hidden_states(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> bytes:
+    """safetensors bytes of one sample (see ``hidden_states_tensors``)."""
+    from safetensors.torch import save as st_save
+
+    return st_save(hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales))
 
 
 def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> int:
-    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written."""
-    data = encode_hidden_states(hidden_states, token_ids, storage_dtype, scales)
-    atomic_write_bytes(path, data)
-    return len(data)
+    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written.
+
+    ``save_file`` writes straight from the tensors' memory; ``save`` + a bytes write copies every sample twice
+    in Python and ran at 0.64 GB/s per thread on the H200 machine (bench/RESULTS_extract.md)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    save_file(hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales), str(tmp))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path.stat().st_size
 
 
 def load_hidden_states(path: Path, dtype=None) -> dict:
@@ -880,3 +982,72 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
         if p.is_dir() and suffix.isdigit() and (p / CKPT_STATE_FILE).is_file():
             out.append((int(suffix), p))
     return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 05: evaluation report
+#
+#   eval/report.json   {format_version, config_hash, config, with_draft: {acceptance_length, per_position_acceptance,
+#                      drafts, draft_tokens, accepted_tokens, accepted_per_position, tokens_per_s, ...},
+#                      without_draft: {tokens_per_s, ...} | null, speedup, ...}
+#   eval/report.md     the same as a markdown table
+#   eval/acceptance.png  per-position acceptance (written by evaluate.py)
+
+EVAL_REQUIRED_KEYS = ("num_speculative_tokens", "with_draft", "without_draft", "speedup")
+
+
+def eval_markdown_table(report: dict) -> str:
+    """The report as markdown: one summary table and one per-position table."""
+    wd, base = report["with_draft"], report.get("without_draft")
+
+    def fmt(x, spec=".2f"):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [
+        f"Draft `{report.get('draft', '')}` on `{report.get('verifier', '')}`, k = {report['num_speculative_tokens']},"
+        f" {report.get('num_prompts', '?')} prompts, concurrency {report.get('concurrency', '?')},"
+        f" temperature {report.get('temperature', '?')}.",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        f"| acceptance length (1 + accepted / drafts) | {fmt(wd.get('acceptance_length'), '.3f')} |",
+        f"| draft acceptance rate (accepted / draft tokens) | {fmt(wd.get('draft_acceptance_rate'), '.3f')} |",
+        f"| drafts / draft tokens / accepted | {wd.get('drafts')} / {wd.get('draft_tokens')} / "
+        f"{wd.get('accepted_tokens')} |",
+        f"| tokens/s with draft | {fmt(wd.get('tokens_per_s'), '.1f')} |",
+        f"| tokens/s without draft | {fmt(base.get('tokens_per_s') if base else None, '.1f')} |",
+        f"| speedup | {fmt(report.get('speedup'), '.3f')} |",
+        "",
+        "| position | accepted | acceptance (accepted / drafts) |",
+        "| --- | --- | --- |",
+    ]
+    for i, (n, rate) in enumerate(zip(wd.get("accepted_per_position", []), wd.get("per_position_acceptance", []))):
+        lines.append(f"| {i} | {n} | {rate:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_eval_report(report: dict, where: str = "eval report") -> None:
+    for key in EVAL_REQUIRED_KEYS:
+        if key not in report:
+            raise FormatError(f"{where}: lacks key {key!r}")
+    wd = report["with_draft"]
+    if len(wd.get("per_position_acceptance", [])) not in (0, report["num_speculative_tokens"]):
+        raise FormatError(f"{where}: {len(wd['per_position_acceptance'])} per-position figures for "
+                          f"k = {report['num_speculative_tokens']}")
+
+
+def save_eval_report(data_dir: DataDir, report: dict, config_hash: str, config: dict) -> None:
+    """Write eval/report.json and eval/report.md atomically."""
+    full = {"format_version": FORMAT_VERSION, "config_hash": config_hash, **report, "config": config}
+    check_eval_report(full, str(data_dir.eval_report))
+    atomic_write_json(data_dir.eval_report, full)
+    atomic_write_bytes(data_dir.eval_markdown, eval_markdown_table(full).encode())
+
+
+def load_eval_report(data_dir: DataDir) -> dict:
+    path = data_dir.eval_report
+    if not path.is_file():
+        raise FileNotFoundError(f"no evaluation report at {path}: run 05_evaluate.py")
+    report = json.loads(path.read_text())
+    check_eval_report(report, str(path))
+    return report

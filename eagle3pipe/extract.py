@@ -1,0 +1,276 @@
+"""Stage 02: the verifier's aux-layer hidden states for every training row, in the layout speculators trains from.
+
+Reads ``synthetic/data.jsonl`` (or ``prepared/data.jsonl``), runs the verifier's text model over each row (batched
+by length, right-padded, attention-masked), captures the states entering the aux layers plus the final pre-norm
+state (``verifier.AuxStateCapture``), and writes ``hidden_states/`` (see the hidden-states section of records.py).
+
+Work is split into shards, one per worker process (one per GPU, data-parallel), or one worker whose verifier is
+split over all GPUs by layers (``--device-map auto``; consecutive batches are launched back to back without host
+syncs, so GPU i runs batch b+1 while GPU i+1 runs batch b). Each worker writes its files from background threads
+into ``work/shard_{w}/`` and journals each finished sample; a rerun skips journalled samples. When all samples are
+done, ``finalize`` renames the files to ``hs_{i}`` in input order (so any number of workers gives the same output),
+writes the rows dataset, errors.jsonl, and last the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import StageError
+from .config import ConfigError, PipelineConfig
+from .extract_worker import ShardJob, worker_main, clean_shard_dir, extract_shard
+from .progress import format_duration
+from .records import (
+    DataDir,
+    DroppedRow,
+    FormatError,
+    HiddenStatesManifest,
+    HsJournalEntry,
+    atomic_write_json,
+    hs_bytes_per_token,
+    load_hs_journal,
+    load_hs_manifest,
+    load_training_rows,
+    save_hs_manifest,
+    save_hs_rows,
+    write_jsonl_atomic,
+    write_provenance,
+)
+from .verifier import load_text_config, state_names
+
+log = logging.getLogger(__name__)
+
+STAGE = "02_extract_hidden_states"
+DISK_HEADROOM = 1.05  # preflight wants 5 % more free space than the estimate
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orchestration
+
+
+def input_path(cfg: PipelineConfig) -> Path:
+    dd = DataDir(cfg.data_dir)
+    return dd.synthetic_data if cfg.extract.input == "synthetic" else dd.prepared_data
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def output_identity(cfg: PipelineConfig, input_file: Path) -> dict:
+    """What decides the bytes of the output (not how it is computed: devices, batch size, worker count)."""
+    return {
+        "verifier": str(Path(cfg.shared.verifier).resolve()),
+        "aux_layer_ids": list(cfg.shared.aux_layer_ids),
+        "model_dtype": cfg.extract.model_dtype,
+        "storage_dtype": cfg.extract.storage_dtype,
+        "input": str(input_file.resolve()),
+        "input_sha256": _file_sha256(input_file),
+    }
+
+
+def resolve_workers(cfg: PipelineConfig) -> list[str]:
+    """One device name per worker."""
+    ex = cfg.extract
+    if ex.device_map == "auto":
+        if not torch.cuda.is_available():
+            raise ConfigError("extract.device_map 'auto' splits the verifier over GPUs, but no GPU is visible")
+        return ["cuda"]
+    device = ex.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        n = ex.num_workers or torch.cuda.device_count()
+        if n > torch.cuda.device_count():
+            raise ConfigError(f"extract.num_workers {n} exceeds the {torch.cuda.device_count()} visible GPUs")
+        return [f"cuda:{i}" for i in range(n)]
+    if device.startswith("cuda:") and ex.num_workers > 1:
+        raise ConfigError(f"extract.device {device} names one GPU but num_workers is {ex.num_workers}; "
+                          "pass --device cuda to use one worker per visible GPU")
+    return [device] * (ex.num_workers or 1)
+
+
+def remove_outputs(dd: DataDir) -> None:
+    """Delete only the files this stage writes (for --overwrite)."""
+    d = dd.hidden_states
+    shutil.rmtree(dd.hs_work, ignore_errors=True)
+    if dd.hs_files.exists():
+        for p in dd.hs_files.glob("hs_*.safetensors"):
+            p.unlink()
+    for p in list(d.glob("data-*.arrow")) + [d / "state.json", d / "dataset_info.json", dd.hs_manifest,
+                                               dd.hs_errors, dd.provenance(d)]:
+        if p.exists():
+            p.unlink()
+
+
+def preflight_disk(dd: DataDir, tokens: int, num_states: int, hidden_size: int, storage_dtype: str,
+                   force: bool) -> None:
+    need = tokens * hs_bytes_per_token(num_states, hidden_size, storage_dtype)
+    dd.hidden_states.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dd.hidden_states).free
+    log.info("disk preflight: %d tokens x %d B/token = %.2f GB to write (%s); %.2f GB free on %s", tokens,
+             hs_bytes_per_token(num_states, hidden_size, storage_dtype), need / 1e9, storage_dtype, free / 1e9,
+             dd.hidden_states)
+    if need * DISK_HEADROOM > free and not force:
+        raise StageError(
+            f"hidden states need {need / 1e9:.2f} GB (+5% headroom) but {dd.hidden_states} has {free / 1e9:.2f} GB "
+            "free: free space, use --storage-dtype fp8 (half), or pass --force-disk"
+        )
+
+
+def run_workers(jobs: list[ShardJob], log_file: Path) -> None:
+    if len(jobs) == 1:
+        extract_shard(jobs[0])
+        return
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(job, str(log_file)), name=f"extract-shard-{job.shard}")
+             for job in jobs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [(job.shard, p.exitcode) for job, p in zip(jobs, procs) if p.exitcode != 0]
+    if failed:
+        raise StageError(f"extract workers failed (shard, exit code): {failed}; see the log; a rerun resumes")
+
+
+def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
+             config_hash: str) -> HiddenStatesManifest:
+    """Rename shard files to hs_{i} in input order, write rows dataset, errors.jsonl and (last) the manifest.
+
+    Idempotent: a file already moved (source gone, target present) is left; a crash here is redone by a rerun."""
+    entries: dict[int, HsJournalEntry] = {}
+    for shard_dir in sorted(dd.hs_work.glob("shard_*")):
+        shard = int(shard_dir.name.split("_")[1])
+        for e in load_hs_journal(dd.hs_shard_journal(shard)):
+            if e.position not in entries:
+                e.shard = shard  # type: ignore[attr-defined]
+                entries[e.position] = e
+    missing = [i for i in range(len(rows)) if i not in entries]
+    if missing:
+        raise StageError(f"{len(missing)} samples have no result (first lines: {[m + 1 for m in missing[:5]]}); "
+                         "rerun the stage to extract them")
+    written = [entries[i] for i in sorted(entries) if entries[i].local_index >= 0]
+    dropped = [entries[i] for i in sorted(entries) if entries[i].local_index < 0]
+    dd.hs_files.mkdir(parents=True, exist_ok=True)
+    for g, e in enumerate(written):
+        src, dst = dd.hs_shard_file(e.shard, e.local_index), dd.hs_file(g)  # type: ignore[attr-defined]
+        if src.exists():
+            os.replace(src, dst)
+        elif not dst.exists():
+            raise FormatError(f"{src}: journalled as written but missing (and {dst} absent); rerun with --overwrite")
+    for stale in dd.hs_files.glob("hs_*.safetensors"):
+        if int(stale.stem[3:]) >= len(written):
+            stale.unlink()
+    save_hs_rows(dd.hidden_states, [(rows[e.position].input_ids, rows[e.position].loss_mask) for e in written])
+    write_jsonl_atomic(dd.hs_errors, [DroppedRow(identity["input"], e.position, e.reason, e.id).to_json()
+                                      for e in dropped])
+    manifest = HiddenStatesManifest(
+        verifier=identity["verifier"], num_layers=num_layers, aux_layer_ids=identity["aux_layer_ids"],
+        hidden_size=hidden_size, model_dtype=identity["model_dtype"], storage_dtype=identity["storage_dtype"],
+        num_samples=len(written), num_tokens=sum(e.num_tokens for e in written), num_dropped=len(dropped),
+        bytes=sum(e.bytes for e in written), input=identity["input"], config_hash=config_hash,
+        states=state_names(identity["aux_layer_ids"], num_layers),
+    )
+    save_hs_manifest(dd.hs_manifest, manifest)
+    return manifest
+
+
+def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
+    """Stage 02 (see module docstring). Returns the manifest of the finished output."""
+    started = time.time()
+    dd, ex, sh = DataDir(cfg.data_dir), cfg.extract, cfg.shared
+    src = input_path(cfg)
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no input rows; run the stage that writes it, or pick another with --input")
+    rows = list(load_training_rows(src))
+    if not rows:
+        raise StageError(f"{src}: holds no rows")
+    seen: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        if r.id in seen:
+            raise FormatError(f"{src}: row id {r.id!r} appears on lines {seen[r.id] + 1} and {i + 1}")
+        seen[r.id] = i
+
+    text_config, _ = load_text_config(sh.verifier)
+    num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
+    if hidden_size != sh.hidden_size:
+        raise ConfigError(f"{sh.verifier}: hidden size {hidden_size} but shared.hidden_size is {sh.hidden_size}; "
+                          "fix --hidden-size")
+    if any(k >= num_layers for k in sh.aux_layer_ids):
+        raise ConfigError(f"shared.aux_layer_ids {sh.aux_layer_ids} must be < {num_layers} (the verifier's "
+                          f"layers; the final state, id {num_layers}, is always stored last)")
+
+    identity = output_identity(cfg, src)
+    config_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    manifest = load_hs_manifest(dd.hs_manifest)
+    run_file = dd.hs_work / "run.json"
+    previous = json.loads(run_file.read_text())["config_hash"] if run_file.exists() else None
+    if manifest is not None:
+        previous = manifest.config_hash
+    if previous is not None and previous != config_hash:
+        if not ex.overwrite:
+            raise StageError(f"{dd.hidden_states} holds hidden states of other inputs/config (hash {previous}, now "
+                             f"{config_hash}); pass --overwrite to delete and redo them")
+        log.warning("--overwrite: deleting hidden states of config %s in %s", previous, dd.hidden_states)
+        remove_outputs(dd)
+        manifest = None
+    if manifest is not None:
+        log.info("%s: already finished for this config (%d samples, %d tokens); nothing to do", dd.hidden_states,
+                 manifest.num_samples, manifest.num_tokens)
+        return manifest
+    dd.hs_work.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_file, {"config_hash": config_hash, "identity": identity})
+
+    done: set[int] = set()
+    for shard_dir in dd.hs_work.glob("shard_*"):
+        done.update(e.position for e in clean_shard_dir(dd, int(shard_dir.name.split("_")[1])))
+    todo = [(i, r.id, r.input_ids) for i, r in enumerate(rows) if i not in done]
+    num_states = len(sh.aux_layer_ids) + 1
+    todo_tokens = sum(len(it[2]) for it in todo)
+    log.info("%s: %d rows, %d already done, %d to extract (%d tokens); states %s", src, len(rows), len(done),
+             len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
+    if todo:
+        preflight_disk(dd, todo_tokens, num_states, hidden_size, ex.storage_dtype, ex.force_disk)
+        devices = resolve_workers(cfg)
+        # interleave the length-sorted samples so every shard gets the same mix of lengths
+        ordered = sorted(todo, key=lambda it: -len(it[2]))
+        cpu_threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else 0
+        existing = {int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")}
+        jobs = []
+        for w, device in enumerate(devices):
+            # a new shard number per worker of this run, so a rerun with another worker count never mixes journals
+            shard = max(existing | {-1}) + 1 + w
+            jobs.append(ShardJob(
+                shard=shard, data_dir=str(dd.root), verifier=sh.verifier, aux_layer_ids=list(sh.aux_layer_ids),
+                model_dtype=ex.model_dtype, storage_dtype=ex.storage_dtype, device=device, device_map=ex.device_map,
+                batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
+                max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
+                items=ordered[w :: len(devices)], cpu_threads=cpu_threads,
+            ))
+        t0 = time.monotonic()
+        run_workers([j for j in jobs if j.items], dd.log_file(STAGE))
+        elapsed = time.monotonic() - t0
+        log.info("extracted %d samples / %d tokens in %s (%.0f tok/s) with %d worker(s)", len(todo), todo_tokens,
+                 format_duration(elapsed), todo_tokens / max(elapsed, 1e-9), len(jobs))
+    manifest = finalize(dd, rows, identity, cfg, num_layers, hidden_size, config_hash)
+    write_provenance(dd.provenance(dd.hidden_states), stage="extract", config_hash=config_hash,
+                     config=cfg.to_dict(), inputs=[str(src), identity["verifier"]],
+                     counts={"samples": manifest.num_samples, "tokens": manifest.num_tokens,
+                             "dropped": manifest.num_dropped, "bytes": manifest.bytes}, started=started)
+    log.info("hidden states: %s (%d samples, %d tokens, %.2f GB %s, %d dropped), %s", dd.hidden_states,
+             manifest.num_samples, manifest.num_tokens, manifest.bytes / 1e9, manifest.storage_dtype,
+             manifest.num_dropped, format_duration(time.time() - started))
+    return manifest

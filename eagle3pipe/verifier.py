@@ -1,0 +1,163 @@
+"""The verifier's text model for stage 02: loading (plain, Kimi-K2.5-wrapped, compressed-tensors) and exact capture
+of the aux-layer states.
+
+Layer-id contract (vLLM's): id ``k < L`` is the residual stream *entering* decoder layer ``k`` (= HF
+``output_hidden_states[k]``), id ``L`` is the last decoder layer's output *before* the final norm. Both are taken
+with hooks on the decoder layers, so nothing else (all L+1 states, the lm_head) is kept or computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Kimi-K2.5's released checkpoint keeps the text model under language_model.*; mapping it away lets the plain
+# DeepseekV3 classes load those weights (without it they stay randomly initialised with only a warning).
+WRAPPED_KEY_MAPPING = {r"^language_model\.": ""}
+
+
+class VerifierLoadError(RuntimeError):
+    """The verifier folder cannot be loaded exactly; the message names the folder and the keys."""
+
+
+def load_text_config(verifier: str | Path):
+    """(text config, wrapped): the decoder config, unwrapped from a nested ``text_config`` (Kimi-K2.5)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(verifier))
+    text = config.get_text_config()
+    wrapped = text is not config
+    quant = getattr(config, "quantization_config", None)
+    if wrapped and quant is not None and getattr(text, "quantization_config", None) is None:
+        # K2.5 puts quantization_config at the top level; the text model must see it to load int4 weights.
+        text.quantization_config = quant
+    return text, wrapped
+
+
+def load_text_model(verifier: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | None = None,
+                    device_map: str | dict | None = None):
+    """The verifier's decoder stack (e.g. ``DeepseekV3Model``) without its lm_head, in eval mode.
+
+    Refuses when any weight of the decoder is missing from the checkpoint (it would silently stay random)."""
+    from transformers import AutoModel
+
+    text_config, wrapped = load_text_config(verifier)
+    kwargs: dict = {"config": text_config, "dtype": dtype, "output_loading_info": True}
+    if wrapped:
+        kwargs["key_mapping"] = WRAPPED_KEY_MAPPING
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists every lm_head / vision tensor we leave out on purpose
+    try:
+        model, info = AutoModel.from_pretrained(str(verifier), **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    unexpected = list(info.get("unexpected_keys", []))
+    if unexpected:
+        log.info("%s: %d checkpoint tensors outside the decoder stack not loaded (e.g. %s)", verifier,
+                 len(unexpected), sorted(unexpected)[:3])
+    missing = list(info.get("missing_keys", []))
+    if missing:
+        raise VerifierLoadError(
+            f"{verifier}: {len(missing)} decoder weights not found in the checkpoint (first: {sorted(missing)[:5]}); "
+            "they would stay randomly initialised"
+        )
+    if device is not None and device_map is None:
+        model = model.to(device)
+    model.eval()
+    log.info("verifier %s loaded: %s, %d layers, hidden %d, %s%s", verifier, type(model).__name__,
+             text_config.num_hidden_layers, text_config.hidden_size, dtype,
+             " (text model of a wrapped checkpoint)" if wrapped else "")
+    return model
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    layers = getattr(model, "layers", None)
+    if layers is None and hasattr(model, "model"):
+        layers = getattr(model.model, "layers", None)
+    if layers is None:
+        raise VerifierLoadError(f"{type(model).__name__} has no decoder layer list (.layers)")
+    return layers
+
+
+def state_names(aux_layer_ids: list[int], num_layers: int) -> list[str]:
+    """What each stored state is, for the manifest."""
+    names = [f"entering decoder layer {k}" if k < num_layers else "final (pre-norm)" for k in aux_layer_ids]
+    return names + [f"final: output of decoder layer {num_layers - 1}, before the final norm"]
+
+
+class AuxStateCapture:
+    """Runs the decoder stack and returns ``[B, T, len(aux_layer_ids) + 1, H]``: aux states, then the final state.
+
+    A forward pre-hook on layer k takes its input (id k); a forward hook on the last layer takes its output
+    (id L). The hooks hold references only; decoder layers return new tensors, so nothing is overwritten later.
+    """
+
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.model = model
+        layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        bad = [k for k in aux_layer_ids if not 0 <= k <= self.num_layers]
+        if bad:
+            raise VerifierLoadError(f"aux layer ids {bad} out of range for a {self.num_layers}-layer verifier "
+                                    f"(valid: 0..{self.num_layers}); fix shared.aux_layer_ids / --aux-layer-ids")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self._slots: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for k in sorted(set(aux_layer_ids)):
+            if k < self.num_layers:
+                self._handles.append(layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
+        self._handles.append(layers[-1].register_forward_hook(self._post_hook(self.num_layers), with_kwargs=True))
+
+    def _pre_hook(self, layer_id: int):
+        def hook(module, args, kwargs):
+            self._slots[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _post_hook(self, layer_id: int):
+        def hook(module, args, kwargs, output):
+            self._slots[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._slots.clear()
+        self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        final_device = self._slots[self.num_layers].device
+        # with a layer split, the states live on different GPUs: gather them where the final one is
+        states = [self._slots[k].to(final_device) for k in self.aux_layer_ids] + [self._slots[self.num_layers]]
+        self._slots.clear()
+        return torch.stack(states, dim=2)  # [B, T, n_aux + 1, H]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def checkpoint_tensor_names(verifier: str | Path) -> list[str]:
+    """Names of all tensors in the verifier's safetensors files (for load checks)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(Path(verifier).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names.extend(h.keys())
+    return names
+
+
+def mapped_name(name: str, wrapped: bool) -> str:
+    """Checkpoint tensor name -> the decoder model's parameter name (prefixes removed)."""
+    if wrapped:
+        name = re.sub(r"^language_model\.", "", name)
+    return re.sub(r"^model\.", "", name)
