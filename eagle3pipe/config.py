@@ -66,7 +66,7 @@ class GenerateConfig:
     empty_reasoning_max_share: float = 0.05  # stop if more than this share of the first 100 have no reasoning
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
     request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
-    overwrite: bool = False  # delete synthetic/ outputs made with different sampling settings instead of refusing
+    overwrite: bool = False  # start afresh: delete synthetic/ responses, data, errors (e.g. after a bad server setup)
 
 
 @dataclass
@@ -233,7 +233,8 @@ class PipelineConfig:
             raise ConfigError(f"generate.min_completion_tokens {g.min_completion_tokens} exceeds max_completion_tokens "
                               f"{g.max_completion_tokens}: no completion could enter data.jsonl")
         if not 0.0 <= g.empty_reasoning_max_share <= 1.0:
-            raise ConfigError(f"generate.empty_reasoning_max_share must be in [0, 1], got {g.empty_reasoning_max_share}")
+            raise ConfigError(f"generate.empty_reasoning_max_share must be in [0, 1], "
+                              f"got {g.empty_reasoning_max_share}")
         if g.request_extra_json:
             try:
                 extra = json.loads(g.request_extra_json)

@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Stage 04: train the EAGLE-3 draft with speculators (one GPU, or the CPU for the toy) and export it for vLLM.
+
+Usage:
+    python 04_train.py --config configs/kimi_k25.yaml
+    python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
+    python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
+    python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
+
+Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8), <data_dir>/vocab/ (stage 03), the verifier's embedding,
+        final norm and lm_head (Kimi-K2.5 nested layout included), and with --finetune-from a flat
+        LlamaForCausalLMEagle3 draft (AQ-MedAI / SpecForge layout).
+Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at the end), metrics.jsonl, curves.png,
+        final/ (flat LlamaForCausalLMEagle3 for vLLM/SGLang, or speculators format), provenance.json},
+        logs/04_train.log.
+All logic lives in eagle3pipe/train.py (model and checkpoint formats in eagle3pipe/draft.py).
+"""
+
+import sys
+
+from eagle3pipe.cli import run_stage
+from eagle3pipe.train import run_train
+
+if __name__ == "__main__":
+    sys.exit(run_stage("train", "04_train", run_train, __doc__))

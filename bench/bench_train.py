@@ -1,0 +1,245 @@
+"""Benchmark stage 04 at Kimi-K2.5 draft dims: speculators' bare training step vs 04_train end to end from disk.
+
+1. bare: ``Eagle3DraftModel`` (hidden 7168, MLP 18432, 64 heads x 128, draft vocab 32000, verifier vocab 163840,
+   SpecForge norm flags), one packed row of ``--tokens`` tokens already on the GPU, TTT 3, eager KL loss, fwd + bwd
+   + clip + AdamW; flex attention under torch.compile (what run_train uses on CUDA).
+2. e2e: ``run_train`` reading stage-02-format files (records.save_hidden_states: [T, 4, H] bf16, or fp8 + scales)
+   through speculators' ArrowDataset / CollateFn in DataLoader workers, bf16 then fp8. Throughput is taken from
+   checkpoints/metrics.jsonl between two logged steps after warm-up (tokens / elapsed), so compile and worker
+   start-up are excluded. With --drop-cache (device only) the page cache is dropped before each e2e run.
+
+Usage (device): python bench/bench_train.py --work /tmp/bench --out $OUT
+       (CPU smoke): python bench/bench_train.py --tiny --work /tmp/bench_tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle3pipe import draft  # noqa: E402
+from eagle3pipe.config import load_config  # noqa: E402
+from eagle3pipe.progress import setup_logging  # noqa: E402
+from eagle3pipe.records import (  # noqa: E402
+    DataDir,
+    HiddenStatesManifest,
+    VocabSummary,
+    read_jsonl,
+    save_hidden_states,
+    save_hs_manifest,
+    save_hs_rows,
+    save_vocab,
+)
+
+log = logging.getLogger("bench_train")
+
+K25 = dict(hidden=7168, inter=18432, heads=64, head_dim=128, draft_vocab=32000, vocab=163840, layers=61)
+TINY = dict(hidden=128, inter=256, heads=4, head_dim=64, draft_vocab=256, vocab=1088, layers=8)
+
+
+def write_verifier(folder: Path, dims: dict) -> Path:
+    """A Kimi-K2.5-shaped verifier shell: a kimi_k25 config.json with a nested DeepSeek-V3 text_config at ``dims``
+    and only the three tensors the trainer reads (language_model.* embedding, final norm, lm_head), random bf16."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = {"model_type": "deepseek_v3", "hidden_size": dims["hidden"], "intermediate_size": dims["inter"],
+            "num_hidden_layers": dims["layers"], "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["heads"], "vocab_size": dims["vocab"], "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "hidden_act": "silu",
+            "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}}
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(0)
+    h, v = dims["hidden"], dims["vocab"]
+    save_file({
+        "language_model.model.embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
+        "language_model.lm_head.weight": (torch.randn(v, h, generator=g) / h**0.5).to(torch.bfloat16),
+        "language_model.model.norm.weight": (1 + 0.1 * torch.randn(h, generator=g)).to(torch.bfloat16),
+    }, str(folder / "model.safetensors"))
+    return folder
+
+
+def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, lengths: tuple[int, int],
+               storage: str, aux: list[int], device: str) -> int:
+    """Stage 02's output (random states, generated on ``device``) + a vocab/ of the first draft_vocab ids."""
+    dd = DataDir(data_dir)
+    g = torch.Generator().manual_seed(1)
+    rows, tokens = [], 0
+    for i in range(num_samples):
+        t = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        ids = torch.randint(0, dims["vocab"], (t,), generator=g)
+        states = torch.randn(t, 4, dims["hidden"], device=device, dtype=torch.bfloat16)
+        save_hidden_states(dd.hs_file(i), states, ids, storage)
+        rows.append((ids.tolist(), [0] * 16 + [1] * (t - 16)))
+        tokens += t
+    save_hs_rows(dd.hidden_states, rows)
+    save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(
+        verifier=str(verifier), num_layers=dims["layers"], aux_layer_ids=aux, hidden_size=dims["hidden"],
+        model_dtype="bfloat16", storage_dtype=storage, num_samples=num_samples, num_tokens=tokens, num_dropped=0,
+        bytes=sum(p.stat().st_size for p in dd.hs_files.glob("*.safetensors")), input="bench", config_hash="bench"))
+    n, v = dims["draft_vocab"], dims["vocab"]
+    sel = torch.randperm(v, generator=g)[:n].sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[sel] = True
+    save_vocab(dd, sel - torch.arange(n), t2d, torch.zeros(v, dtype=torch.int64),
+               VocabSummary(source="data", draft_vocab_size=n, vocab_size=v, supervised_tokens=0, coverage=0.0))
+    return tokens
+
+
+def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: int, warmup: int,
+              device: torch.device) -> dict:
+    """speculators' own training step with data already on the device."""
+    from speculators.losses import resolve_loss_config
+
+    cfg_layer = draft.fresh_layer_config(verifier, dims["heads"], dims["head_dim"], dims["inter"])
+    n, v, h = dims["draft_vocab"], dims["vocab"], dims["hidden"]
+    sel = torch.arange(0, v, v // n)[:n]
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[sel] = True
+    attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    model = draft.build_draft_model(cfg_layer, verifier=verifier, aux_layer_ids=aux, d2t=sel - torch.arange(n),
+                                    t2d=t2d, ttt_steps=3, attn_impl=attn).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    kw = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    docs = torch.repeat_interleave(torch.arange(4), tokens // 4)[None].to(device)  # 4 packed documents
+    batch = {"hidden_states": torch.randn(1, tokens, 3 * h, device=device, dtype=dt),
+             "input_ids": torch.randint(0, v, (1, tokens), device=device), "document_ids": docs,
+             "loss_mask": torch.ones(1, tokens, device=device, dtype=torch.long),
+             "position_ids": torch.arange(1, tokens + 1, device=device)[None],
+             "verifier_last_hidden_states": torch.randn(1, tokens, h, device=device, dtype=dt)}
+
+    def one():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            _, loss, _ = model(**batch, **kw)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one()
+    sync()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    sync()
+    s = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    del model, opt, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_ms": 1000 * s, "tokens_per_s": tokens / s, "warmup_s": warm_s, "peak_gib": peak,
+            "trainable_params": sum(p.numel() for p in params)}
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
+        skip_steps: int, drop_cache: bool) -> dict:
+    from eagle3pipe.train import run_train
+
+    cfg = load_config(None, {
+        "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": aux,
+                   "hidden_size": dims["hidden"], "vocab_size": dims["vocab"], "draft_vocab_size": dims["draft_vocab"],
+                   "progress_every_s": 10.0},
+        "train": {"epochs": 1, "total_seq_len": tokens, "eval_fraction": 0.0, "num_workers": workers,
+                  "log_every": 1, "checkpoint_every": 100000, "device": device, "draft_num_heads": dims["heads"],
+                  "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True},
+    })
+    cfg.validate("train")
+    dropped = drop_page_cache() if drop_cache else False
+    t0 = time.perf_counter()
+    run_train(cfg)
+    wall = time.perf_counter() - t0
+    rows = [r for r in read_jsonl(DataDir(data_dir).train_metrics) if r["kind"] == "train"]
+    a, b = rows[skip_steps - 1], rows[-1]
+    rate = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
+    step_ms = 1000 * (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
+    return {"tokens_per_s": rate, "step_ms": step_ms, "steps": len(rows), "measured_steps": b["step"] - a["step"],
+            "wall_s": wall, "page_cache_dropped": dropped, "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy dims on CPU (smoke test of this script)")
+    p.add_argument("--work", default="/tmp/bench_train")
+    p.add_argument("--out", default="")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--samples", type=int, default=60, help="samples per e2e dataset")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--bare-steps", type=int, default=20)
+    p.add_argument("--skip", choices=["none", "bare", "e2e"], default="none")
+    p.add_argument("--drop-cache", action="store_true", help="drop the page cache before each e2e run (device only)")
+    args = p.parse_args()
+    setup_logging(None)
+    dims = TINY if args.tiny else K25
+    device = "cpu" if args.tiny else "cuda"
+    tokens = 256 if args.tiny else args.tokens
+    lengths = (40, 90) if args.tiny else (1200, 3000)
+    aux = [2, 4, 5] if args.tiny else [2, 30, 58]
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    results: dict = {"dims": dims, "tokens_per_row": tokens, "device": torch.cuda.get_device_name(0)
+                     if device == "cuda" else "cpu", "torch": torch.__version__}
+    t0 = time.perf_counter()
+    verifier = write_verifier(work / "verifier", dims)
+    log.info("verifier shell written in %.1fs", time.perf_counter() - t0)
+    if args.skip != "bare":
+        results["bare"] = bare_step(verifier, dims, aux, tokens, 3 if args.tiny else args.bare_steps,
+                                    2 if args.tiny else 4, torch.device(device))
+        log.info("bare: %s", results["bare"])
+    if args.skip != "e2e":
+        for storage in ("bf16", "fp8"):
+            data = work / f"data_{storage}"
+            t0 = time.perf_counter()
+            n_tok = write_data(data, verifier, dims, 12 if args.tiny else args.samples, lengths, storage, aux, device)
+            log.info("%s data: %d tokens written in %.1fs", storage, n_tok, time.perf_counter() - t0)
+            workers = min(args.workers, 2) if args.tiny else args.workers
+            try:
+                results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, workers, device,
+                                                skip_steps=1 if args.tiny else 4, drop_cache=args.drop_cache)
+            except Exception:  # keep a number for the report: the same run with the loader in-process
+                log.exception("e2e %s with %d workers failed; again with 0", storage, workers)
+                results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, 0, device,
+                                                skip_steps=1 if args.tiny else 4, drop_cache=args.drop_cache)
+                results[f"e2e_{storage}"]["fallback_workers_0"] = True
+            results[f"e2e_{storage}"]["data_tokens"] = n_tok
+            log.info("e2e %s: %s", storage, results[f"e2e_{storage}"])
+            shutil.rmtree(data, ignore_errors=True)
+    if "bare" in results:
+        for storage in ("bf16", "fp8"):
+            if f"e2e_{storage}" in results:
+                results[f"e2e_{storage}"]["ratio_to_bare"] = (results[f"e2e_{storage}"]["tokens_per_s"]
+                                                              / results["bare"]["tokens_per_s"])
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out, "bench_train.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""EAGLE-3 draft checkpoints: the flat SpecForge/AQ-MedAI layout, speculators' Eagle3DraftModel, and export.
+
+The flat layout (``LlamaForCausalLMEagle3``; what AQ-MedAI publishes and vLLM/SGLang load)::
+
+    config.json        llama decoder fields (hidden_size, intermediate_size, num_attention_heads, head_dim, ...),
+                       draft_vocab_size, vocab_size (verifier's), eagle_config.eagle_aux_hidden_state_layer_ids
+    model.safetensors  midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]
+                       midlayer.self_attn.{q,k,v}_proj.weight [heads*head_dim, 2H], o_proj [H, heads*head_dim]
+                       midlayer.mlp.{gate,up}_proj.weight [I, H], down_proj [H, I]
+                       fc.weight [H, 3H], norm.weight [H], lm_head.weight [N, H], d2t int64 [N], t2d bool [V]
+                       (embed_tokens.weight [V, H] optional: vLLM shares the verifier's when absent)
+
+SpecForge-trained layers use the original EAGLE-3 layout, which in speculators' flags is all four off: no norm
+before ``fc``, the decoder residual is the fc output *before* ``hidden_norm``, the final ``norm`` only feeds the
+logits. speculators 0.9 defaults to the "Eagle 3.1" layout instead, so a warm start must set them explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+FLAT_WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FLAT_LAYER_PREFIX = "midlayer."
+MODEL_LAYER_PREFIX = "layers.0."
+# speculators' norm flags of the original (SpecForge / AQ-MedAI) EAGLE-3 layer
+SPECFORGE_NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+# keys of Eagle3DraftModel's state that come from the verifier, never from a draft checkpoint
+VERIFIER_OWNED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# config fields of the decoder layer carried from a draft config into LlamaConfig
+LAYER_CONFIG_FIELDS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+    "mlp_bias", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+
+class DraftFormatError(ValueError):
+    """A draft checkpoint does not match its declared layout; the message names the folder and the key."""
+
+
+@dataclass
+class FlatCheckpoint:
+    """A flat EAGLE-3 draft read from disk: its config.json as a dict and every tensor by its file key."""
+
+    folder: Path
+    config: dict
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list((self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config["draft_vocab_size"])
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.tensors["d2t"]
+
+    @property
+    def t2d(self) -> torch.Tensor:
+        return self.tensors["t2d"]
+
+
+def flat_tensor_shapes(config: dict, num_aux: int = 3) -> dict[str, tuple[int, ...]]:
+    """Every tensor a flat draft with ``config`` must hold, with its shape (embedding excluded: optional)."""
+    h = int(config["hidden_size"])
+    inter = int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    n, v = int(config["draft_vocab_size"]), int(config["vocab_size"])
+    m = FLAT_LAYER_PREFIX
+    return {
+        "fc.weight": (h, num_aux * h),
+        f"{m}input_layernorm.weight": (h,),
+        f"{m}hidden_norm.weight": (h,),
+        f"{m}post_attention_layernorm.weight": (h,),
+        f"{m}self_attn.q_proj.weight": (heads * head_dim, 2 * h),
+        f"{m}self_attn.k_proj.weight": (kv_heads * head_dim, 2 * h),
+        f"{m}self_attn.v_proj.weight": (kv_heads * head_dim, 2 * h),
+        f"{m}self_attn.o_proj.weight": (h, heads * head_dim),
+        f"{m}mlp.gate_proj.weight": (inter, h),
+        f"{m}mlp.up_proj.weight": (inter, h),
+        f"{m}mlp.down_proj.weight": (h, inter),
+        "norm.weight": (h,),
+        "lm_head.weight": (n, h),
+        "d2t": (n,),
+        "t2d": (v,),
+    }
+
+
+def _read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DraftFormatError(f"{folder}: no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for key, value in load_file(str(f)).items():
+            if key in tensors:
+                raise DraftFormatError(f"{folder}: tensor '{key}' appears in more than one file")
+            tensors[key] = value
+    return tensors
+
+
+def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
+    """Read and strictly check a flat ``LlamaForCausalLMEagle3`` draft: every key present, none unexpected, shapes
+    and the vocabulary map consistent with config.json. Raises DraftFormatError naming the culprit."""
+    from .records import FormatError, check_vocab_mapping
+
+    folder = Path(folder)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise DraftFormatError(f"{folder}: no {CONFIG_FILE} (expected a flat LlamaForCausalLMEagle3 draft folder)")
+    config = json.loads(config_path.read_text())
+    if "speculators_config" in config:
+        raise DraftFormatError(f"{config_path}: a speculators-format draft; --finetune-from expects the flat layout")
+    arch = config.get("architectures") or []
+    if not any(a in FLAT_ARCHITECTURES for a in arch):
+        raise DraftFormatError(f"{config_path}: architectures {arch} is not one of {FLAT_ARCHITECTURES}")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size"):
+        if key not in config:
+            raise DraftFormatError(f"{config_path}: lacks '{key}'")
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise DraftFormatError(f"{config_path}: num_hidden_layers {config['num_hidden_layers']}, only 1 is supported")
+    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not aux or len(aux) != 3:
+        raise DraftFormatError(f"{config_path}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 ids, "
+                               f"got {aux}")
+
+    tensors = _read_safetensors_folder(folder)
+    expected = flat_tensor_shapes(config, num_aux=len(aux))
+    optional = {"embed_tokens.weight": (int(config["vocab_size"]), int(config["hidden_size"]))}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - set(optional))
+    if missing:
+        raise DraftFormatError(f"{folder}: missing tensors {missing}")
+    if unexpected:
+        raise DraftFormatError(f"{folder}: unexpected tensors {unexpected} (not part of the flat EAGLE-3 layout)")
+    for key, value in tensors.items():
+        want = {**expected, **optional}[key]
+        if tuple(value.shape) != want:
+            raise DraftFormatError(f"{folder}: tensor '{key}' has shape {tuple(value.shape)}, config says {want}")
+    tensors["d2t"] = tensors["d2t"].to(torch.int64)
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    try:
+        check_vocab_mapping(tensors["d2t"], tensors["t2d"], where=str(folder))
+    except FormatError as e:
+        raise DraftFormatError(str(e)) from None
+    return FlatCheckpoint(folder=folder, config=config, tensors=tensors)
+
+
+def layer_config_from_flat(config: dict):
+    """The draft decoder's LlamaConfig from a flat draft's own config.json (its head_dim, not the verifier's)."""
+    from transformers import LlamaConfig
+
+    fields = {k: config[k] for k in LAYER_CONFIG_FIELDS if k in config and config[k] is not None}
+    fields.setdefault("head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    return LlamaConfig(num_hidden_layers=1, tie_word_embeddings=False, **fields)
+
+
+def verifier_text_config(verifier: str | Path):
+    """The verifier's text config (Kimi-K2.5's nested text_config unwrapped)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(verifier))
+    return getattr(config, "text_config", None) or config
+
+
+def fresh_layer_config(verifier: str | Path, num_heads: int, head_dim: int, intermediate_size: int):
+    """A new draft's LlamaConfig: hidden size, vocab, norm eps, rope and activation from the verifier; heads,
+    head_dim and MLP width as given (0 = the verifier's head count / dense intermediate size)."""
+    from transformers import LlamaConfig
+
+    text = verifier_text_config(verifier)
+    heads = num_heads or text.num_attention_heads
+    return LlamaConfig(
+        hidden_size=text.hidden_size,
+        intermediate_size=intermediate_size or text.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        rms_norm_eps=text.rms_norm_eps,
+        max_position_embeddings=text.max_position_embeddings,
+        rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        vocab_size=text.vocab_size,
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
+
+
+def build_draft_model(layer_config, *, verifier: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
+                      t2d: torch.Tensor, ttt_steps: int, attn_impl: str, norm_flags: dict | None = None):
+    """speculators' Eagle3DraftModel with the verifier's embedding, final norm and lm_head rows (t2d) loaded."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    flags = dict(SPECFORGE_NORM_FLAGS if norm_flags is None else norm_flags)
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=str(verifier),
+        draft_vocab_size=int(d2t.shape[0]),
+        ttt_steps=ttt_steps,
+        target_layer_ids=list(aux_layer_ids),
+        draft_attn_impl=attn_impl,
+        **flags,
+    )
+
+
+def remap_lm_head(old_lm_head: torch.Tensor, old_d2t: torch.Tensor, new_d2t: torch.Tensor,
+                  new_default_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """lm_head rows for a new draft vocabulary: a token both maps share keeps its trained row (moved to its new
+    draft index); a new token gets its row from ``new_default_rows`` (the verifier's). Returns (rows, shared)."""
+    old_targets = torch.arange(old_d2t.shape[0]) + old_d2t  # [N_old] target ids
+    new_targets = torch.arange(new_d2t.shape[0]) + new_d2t  # [N_new]
+    size = int(max(old_targets.max(), new_targets.max())) + 1
+    old_index = torch.full((size,), -1, dtype=torch.long)
+    old_index[old_targets] = torch.arange(old_d2t.shape[0])
+    source = old_index[new_targets]  # [N_new]: old draft index of each new token, -1 if new
+    rows = new_default_rows.detach().clone().to(old_lm_head.dtype)
+    shared = source >= 0
+    rows[shared] = old_lm_head[source[shared]]
+    return rows, int(shared.sum())
+
+
+def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
+    """Copy a flat checkpoint's weights into ``model`` (midlayer.* -> layers.0.*). The model's vocabulary map must
+    be the checkpoint's, or its lm_head rows are remapped (shared tokens keep their rows, new ones take the
+    verifier's). Every trainable key must be filled exactly once. Returns {"remapped": bool, "shared": int}."""
+    state: dict[str, torch.Tensor] = {}
+    for key, value in ckpt.tensors.items():
+        if key in ("d2t", "t2d", "embed_tokens.weight"):
+            continue
+        name = MODEL_LAYER_PREFIX + key[len(FLAT_LAYER_PREFIX):] if key.startswith(FLAT_LAYER_PREFIX) else key
+        state[name] = value
+    info = {"remapped": False, "shared": ckpt.draft_vocab_size}
+    same_map = torch.equal(model.d2t.cpu(), ckpt.d2t) and torch.equal(model.t2d.cpu(), ckpt.t2d)
+    if not same_map:
+        rows, shared = remap_lm_head(ckpt.tensors["lm_head.weight"], ckpt.d2t, model.d2t.cpu(),
+                                     model.verifier_lm_head.weight.detach().cpu())
+        state["lm_head.weight"] = rows
+        info = {"remapped": True, "shared": shared}
+        log.info("vocab map differs from %s: lm_head rows remapped (%d of %d draft tokens shared, the rest from the "
+                 "verifier's lm_head)", ckpt.folder, shared, rows.shape[0])
+    if "embed_tokens.weight" in ckpt.tensors:
+        # vLLM and speculators use the verifier's embedding; a checkpoint that carries a different one was trained
+        # against different inputs, so keeping ours would silently change its function.
+        ours = model.embed_tokens.weight.detach().cpu().float()
+        if not torch.allclose(ckpt.tensors["embed_tokens.weight"].float(), ours):
+            raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding")
+    own = {k for k in model.state_dict() if k not in VERIFIER_OWNED_KEYS and k not in ("d2t", "t2d")}
+    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+    if missing or unexpected:
+        raise DraftFormatError(f"{ckpt.folder}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
+    own_state = model.state_dict()
+    for key, value in state.items():
+        if tuple(own_state[key].shape) != tuple(value.shape):
+            raise DraftFormatError(f"{ckpt.folder}: '{key}' has shape {tuple(value.shape)}, the draft expects "
+                                   f"{tuple(own_state[key].shape)}")
+    with torch.no_grad():
+        for key, value in state.items():
+            own_state[key].copy_(value)
+    return info
+
+
+def load_finetune_draft(folder: str | Path, *, verifier: str | Path, d2t: torch.Tensor, t2d: torch.Tensor,
+                        aux_layer_ids: list[int], ttt_steps: int, attn_impl: str):
+    """Build the draft a flat checkpoint describes (its own layer config, SpecForge norm flags) on the given
+    vocabulary map, and load its weights. Returns (model, checkpoint, info)."""
+    ckpt = read_flat_checkpoint(folder)
+    if ckpt.draft_vocab_size != d2t.shape[0]:
+        raise DraftFormatError(f"{folder}: draft_vocab_size {ckpt.draft_vocab_size} but vocab/ holds {d2t.shape[0]} "
+                               "tokens: rebuild vocab/ with --draft-vocab-size equal to the checkpoint's")
+    model = build_draft_model(layer_config_from_flat(ckpt.config), verifier=verifier, aux_layer_ids=aux_layer_ids,
+                              d2t=d2t, t2d=t2d, ttt_steps=ttt_steps, attn_impl=attn_impl)
+    info = load_flat_into_model(model, ckpt)
+    return model, ckpt, info
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move a fully written ``tmp`` folder to ``out_dir``; an old ``out_dir`` is removed only after."""
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def flat_config(model, aux_layer_ids: list[int], base_config: dict | None = None, dtype: str = "bfloat16") -> dict:
+    """config.json of the flat export. Starts from ``base_config`` (a warm start's own config keeps its extra
+    fields) and sets every field vLLM and SGLang read."""
+    layer = model.config.transformer_layer_config
+    config = dict(base_config or {})
+    layer_dict = layer.to_dict()
+    for key in LAYER_CONFIG_FIELDS:
+        if key in ("rope_theta", "rope_scaling"):
+            continue
+        if key in layer_dict and layer_dict[key] is not None:
+            config[key] = layer_dict[key]
+    if "rope_parameters" in config:
+        config.pop("rope_theta", None)
+        config.pop("rope_scaling", None)
+    eagle_config = dict(config.get("eagle_config") or {})
+    eagle_config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    eagle_config["use_aux_hidden_state"] = True
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        draft_vocab_size=int(model.draft_vocab_size),
+        vocab_size=int(model.verifier_vocab_size),
+        eagle_config=eagle_config,
+        torch_dtype=dtype,
+        norm_before_residual=bool(model.config.norm_before_residual),
+        norm_before_fc=bool(model.config.norm_before_fc),
+        fc_norm=bool(model.config.fc_norm),
+        norm_output=bool(model.config.norm_output),
+    )
+    return config
+
+
+def export_flat(model, out_dir: str | Path, aux_layer_ids: list[int], base_config: dict | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the flat LlamaForCausalLMEagle3 layout (midlayer.*, fc, norm, lm_head, d2t, t2d; no embedding) into
+    ``out_dir`` atomically (temporary folder, then rename). ``aux_layer_ids`` in vLLM's convention."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if key in VERIFIER_OWNED_KEYS:
+            continue
+        if key in ("d2t", "t2d"):
+            tensors[key] = value.detach().cpu().contiguous()
+            continue
+        name = FLAT_LAYER_PREFIX + key[len(MODEL_LAYER_PREFIX):] if key.startswith(MODEL_LAYER_PREFIX) else key
+        tensors[name] = value.detach().to("cpu", dtype).contiguous()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / FLAT_WEIGHTS_FILE), metadata={"format": "pt"})
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = flat_config(model, aux_layer_ids, base_config, dtype_name)
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def export_speculators(model, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write speculators' own format (``speculators_model_type: eagle3``, ``layers.0.*``) atomically."""
+    import copy
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy.deepcopy(model).to("cpu", dtype).save_pretrained(str(tmp))
+    _replace_dir(tmp, out_dir)
+    return out_dir

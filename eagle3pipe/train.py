@@ -1,0 +1,375 @@
+"""Stage 04: train an EAGLE-3 draft on speculators 0.9 and export it for vLLM.
+
+Model, loss, data loading and packing are speculators' own: ``Eagle3DraftModel`` (its TTT unroll and per-step
+KL loss), ``ArrowDataset`` + ``FileTransfer``/``FP8Transfer`` (reads hidden_states/ exactly as ``speculators train
+--data-path`` does), ``shift_batch``, ``CollateFn`` and ``MultipackDistributedBatchSamplerV2``. The loop around them
+is ours (~100 lines) rather than speculators' ``Trainer`` because that one moves the model to ``cuda:local_rank``
+(no CPU run), checkpoints per epoch fraction under epoch-numbered folders, and prints with tqdm.rich; we need
+checkpoints every N steps with exact step resume, the CPU toy run, and our progress lines. Settings that differ
+by device: flex attention on CUDA, sdpa on CPU (flex backward is not implemented on CPU); the eager loss always
+(the fused Triton loss needs Triton and crashed under torch.compile on the H200).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import StageError
+from .config import PipelineConfig
+from .progress import Progress
+from .records import (
+    DataDir,
+    JsonlAppender,
+    TrainingState,
+    list_train_checkpoints,
+    load_hs_manifest,
+    load_train_checkpoint,
+    load_vocab_mapping,
+    load_vocab_summary,
+    read_jsonl,
+    save_train_checkpoint,
+    write_jsonl_atomic,
+    write_provenance,
+)
+from .train_metrics import evaluate, plot_curves, step_metrics
+
+log = logging.getLogger(__name__)
+
+LOSS_NAME = "kl_div"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise StageError(f"--device {name}: no CUDA device here (use --device cpu)")
+    return device
+
+
+def resolve_attn_impl(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    if name == "simple_flex_attention" and device.type == "cpu":
+        raise StageError("--attn-impl simple_flex_attention: flex-attention backward does not run on CPU; use sdpa")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def _check_aux_ids(ckpt_ids: list[int], ours: list[int], folder: str) -> None:
+    """A warm-start checkpoint must read the same verifier states as our data holds."""
+    if list(ckpt_ids) == list(ours):
+        return
+    if [k + 1 for k in ckpt_ids] == list(ours):
+        log.warning("%s names its aux layers %s: the 'output of layer k' convention for the states our data holds "
+                    "(%s, vLLM's 'entering layer k'); the export writes %s", folder, ckpt_ids, ours, ours)
+        return
+    raise StageError(f"{folder}: trained on aux layers {ckpt_ids}, our hidden states hold {ours} "
+                     "(--aux-layer-ids, stage 02): the draft would read different verifier states")
+
+
+def build_model(cfg: PipelineConfig, device: torch.device):
+    """(model, base_config for the export) from vocab/ and either --finetune-from or a fresh layer config."""
+    from . import draft
+
+    dd = DataDir(cfg.data_dir)
+    s, t = cfg.shared, cfg.train
+    summary = load_vocab_summary(dd.vocab_summary)
+    d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
+    attn_impl = resolve_attn_impl(t.attn_impl, device)
+    torch.manual_seed(s.seed)  # a fresh draft's initial weights
+    if not t.finetune_from:
+        layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
+                                                t.draft_intermediate_size)
+        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=s.aux_layer_ids, d2t=d2t,
+                                        t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+        log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
+                 layer_config.num_attention_heads, layer_config.head_dim, layer_config.intermediate_size,
+                 d2t.shape[0], summary.source)
+        return model, None
+    if summary.source == "data":
+        raise StageError(f"{dd.vocab} was built from our data without the warm-start checkpoint: rerun "
+                         f"03_build_vocab_mapping.py --finetune-from {t.finetune_from} (keeps its map, the default) "
+                         "or add --rebuild (replaces it; its lm_head rows are then remapped)")
+    if Path(summary.checkpoint).resolve() != Path(t.finetune_from).resolve():
+        raise StageError(f"{dd.vocab} was built for checkpoint {summary.checkpoint}, --finetune-from is "
+                         f"{t.finetune_from}: rerun 03_build_vocab_mapping.py")
+    try:
+        model, ckpt, info = draft.load_finetune_draft(t.finetune_from, verifier=s.verifier, d2t=d2t, t2d=t2d,
+                                                      aux_layer_ids=s.aux_layer_ids, ttt_steps=t.ttt_steps,
+                                                      attn_impl=attn_impl)
+    except draft.DraftFormatError as e:
+        raise StageError(str(e)) from None
+    _check_aux_ids(ckpt.aux_layer_ids, s.aux_layer_ids, t.finetune_from)
+    if summary.source == "checkpoint" and info["remapped"]:
+        raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
+    log.info("warm start from %s (vocab %s%s)", t.finetune_from, summary.source,
+             f", {info['shared']} lm_head rows kept" if info["remapped"] else "")
+    return model, ckpt.config
+
+
+def draft_state(model) -> dict[str, torch.Tensor]:
+    """The draft's own tensors (what a checkpoint stores); the verifier's are reloaded from the verifier."""
+    from .draft import VERIFIER_OWNED_KEYS
+
+    return {k: v for k, v in model.state_dict().items() if k not in VERIFIER_OWNED_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+class EpochBatches:
+    """A batch sampler whose batch list is set per epoch (with a start offset for resume), so one DataLoader and
+    its persistent workers serve every epoch."""
+
+    def __init__(self):
+        self.batches: list = []
+
+    def set(self, batches: list, start: int = 0) -> None:
+        self.batches = list(batches[start:])
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _datasets_without_video() -> None:
+    """Shim: datasets 4.4's torch formatter imports ``torchvision.io.VideoReader`` for every row once torchvision
+    is imported, and torchvision >= 0.26 (the H200 image here) no longer has it, so every read of hidden_states/
+    fails. Our rows hold no video; tell datasets torchvision is absent."""
+    import datasets.config
+
+    datasets.config.TORCHVISION_AVAILABLE = False
+
+
+def _worker_init(worker_id: int) -> None:  # noqa: ARG001
+    _datasets_without_video()
+    torch.set_num_threads(1)  # workers only read and copy; intra-op threads would oversubscribe the cores
+
+
+def build_data(cfg: PipelineConfig, device: torch.device):
+    """(train_dataset, val_dataset or None, make_loader) over <data_dir>/hidden_states with speculators' reader."""
+    from hs_connectors.transfer import FileTransfer, FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    _datasets_without_video()
+    dd = DataDir(cfg.data_dir)
+    s, t = cfg.shared, cfg.train
+    manifest = load_hs_manifest(dd.hs_manifest)
+    if manifest is None:
+        raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
+    if list(manifest.aux_layer_ids) != list(s.aux_layer_ids) or manifest.hidden_size != s.hidden_size:
+        raise StageError(f"{dd.hs_manifest}: aux layers {manifest.aux_layer_ids} / hidden {manifest.hidden_size}, "
+                         f"config says {s.aux_layer_ids} / {s.hidden_size} (--aux-layer-ids, --hidden-size)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    transfer = FP8Transfer(dd.hs_files, dequantize_dtype=dtype) if manifest.storage_dtype == "fp8" \
+        else FileTransfer(dd.hs_files)
+    n = manifest.num_samples
+    train_ratio = 1.0 - t.eval_fraction
+    has_val = t.eval_fraction > 0 and int(n * train_ratio) < n and int(n * train_ratio) > 0
+    if t.eval_fraction > 0 and not has_val:
+        log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * t.eval_fraction)
+
+    def dataset(split: str):
+        return ArrowDataset(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
+                            on_missing="raise", train_ratio=train_ratio if has_val else 1.0, split=split,
+                            hidden_states_dtype=dtype)
+
+    return dataset("train"), (dataset("val") if has_val else None), manifest
+
+
+def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from torch.utils.data import DataLoader
+
+    workers = cfg.train.num_workers
+    collate = CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
+                        dtype=dataset.hidden_states_dtype, preprocess=shift_batch)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
+                      persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None,
+                      worker_init_fn=_worker_init if workers else None)
+
+
+def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> list:
+    """speculators' packing of whole samples into rows of ``total_seq_len`` tokens, shuffled by seed + epoch."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
+                                                 num_replicas=1, rank=0, seed=seed)
+    return [b.tolist() for b in sampler._generate_batches(epoch)]  # noqa: SLF001 (its public iterator hides epoch)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+
+
+def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
+    """The checkpoint to resume from, or None; refuses to silently overwrite an earlier run."""
+    dd = DataDir(cfg.data_dir)
+    existing = list_train_checkpoints(dd.checkpoints)
+    if cfg.train.resume:
+        if not existing:
+            log.warning("--resume: no checkpoint in %s, starting from scratch", dd.checkpoints)
+            return None
+        return existing[-1]
+    if existing or dd.final_checkpoint.exists():
+        if not cfg.train.overwrite:
+            raise StageError(f"{dd.checkpoints} holds an earlier run: --resume to continue it, --overwrite to start "
+                             "over (deletes its checkpoints)")
+        for _, path in existing:
+            shutil.rmtree(path)
+        shutil.rmtree(dd.final_checkpoint, ignore_errors=True)
+        for p in (dd.train_metrics, dd.train_curves):
+            p.unlink(missing_ok=True)
+    return None
+
+
+def _truncate_metrics(path: Path, state: TrainingState) -> None:
+    """Drop metric lines written after the checkpoint we resume from, so the log reads as one run."""
+    if not path.exists():
+        return
+    from .records import repair_jsonl
+
+    repair_jsonl(path)
+    keep = [r for r in read_jsonl(path)
+            if (r["kind"] == "train" and r["step"] <= state.step) or (r["kind"] == "eval" and r["epoch"] < state.epoch)]
+    write_jsonl_atomic(path, keep)
+
+
+def run_train(cfg: PipelineConfig) -> Path:
+    """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder."""
+    from speculators.losses import resolve_loss_config
+    from speculators.train.recovery import RECOVERY_METADATA_KEY
+    from transformers import get_cosine_schedule_with_warmup
+
+    from . import draft
+
+    started = time.time()
+    dd = DataDir(cfg.data_dir)
+    s, t = cfg.shared, cfg.train
+    device = resolve_device(t.device)
+    resume_from = _prepare_checkpoints(cfg)
+    train_ds, val_ds, manifest = build_data(cfg, device)
+    model, base_config = build_model(cfg, device)
+    model.to(device)
+    autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)
+
+    epoch_batches = [packed_batches(train_ds, t.total_seq_len, s.seed, e) for e in range(t.epochs)]
+    total_steps = sum(len(b) for b in epoch_batches)
+    if total_steps == 0:
+        raise StageError(f"{dd.hidden_states}: no training batch (no samples?)")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=0.01)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps)
+    state = TrainingState(step=0, epoch=0, batches_done=0, seed=s.seed)
+    if resume_from is not None:
+        model_state, opt_state, sched_state, state = load_train_checkpoint(resume_from[1])
+        own = draft_state(model)
+        if set(model_state) != set(own):
+            raise StageError(f"{resume_from[1]}: checkpoint keys differ from this draft's (config changed?)")
+        model.load_state_dict(model_state, strict=False)
+        optimizer.load_state_dict(opt_state)
+        scheduler.load_state_dict(sched_state)
+        _truncate_metrics(dd.train_metrics, state)
+        log.info("resuming from %s: step %d, epoch %d, batch %d", resume_from[1], state.step, state.epoch,
+                 state.batches_done)
+
+    loss_config = resolve_loss_config(LOSS_NAME, "eager")
+    call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
+    train_sampler, val_sampler = EpochBatches(), EpochBatches()
+    train_loader = make_loader(train_ds, train_sampler, cfg, device)
+    val_loader = None
+    if val_ds is not None:
+        val_sampler.set(packed_batches(val_ds, t.total_seq_len, s.seed, 0))
+        val_loader = make_loader(val_ds, val_sampler, cfg, device)
+    cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
+    log.info("training %d optimizer steps (%d epochs x ~%d packed rows of %d tokens, %d samples, hidden states %s) "
+             "on %s", cap, t.epochs, total_steps // t.epochs, t.total_seq_len, manifest.num_samples,
+             manifest.storage_dtype, device)
+
+    def save(at: TrainingState) -> None:
+        save_train_checkpoint(dd.checkpoint_step(at.step), draft_state(model), optimizer.state_dict(),
+                              scheduler.state_dict(), at)
+        log.info("checkpoint %s", dd.checkpoint_step(at.step))
+
+    progress = Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step, desc="Training")
+    metrics_log = JsonlAppender(dd.train_metrics, fsync_every=16)
+    model.train()
+    tokens_seen, t0 = 0, time.monotonic()
+    stopped = False
+    try:
+        for epoch in range(state.epoch, t.epochs):
+            start = state.batches_done if epoch == state.epoch else 0
+            train_sampler.set(epoch_batches[epoch], start)
+            done_in_epoch = start
+            for batch in train_loader:
+                tokens = int((batch["document_ids"] != -1).sum())
+                if batch.get("error_records"):  # speculators' reader skipped samples (token ids differ from the row)
+                    log.warning("epoch %d batch %d: %d samples skipped: %s", epoch, done_in_epoch + 1,
+                                batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
+                gpu = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    _, loss, metrics = model(**gpu, **call_kwargs)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                scheduler.step()
+                done_in_epoch += 1
+                state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=done_in_epoch, seed=s.seed)
+                tokens_seen += tokens
+                if state.step % t.log_every == 0 or state.step == cap:
+                    row = step_metrics(metrics, t.ttt_steps)
+                    rate = tokens_seen / max(time.monotonic() - t0, 1e-9)
+                    metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
+                                       "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
+                                       "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0,
+                                       "skipped_samples": int(batch.get("error_records", 0)), **row})
+                    progress.set_fields(loss=f"{row['loss']:.3f}", **{
+                        f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
+                        tok_s=f"{rate:.0f}")
+                progress.update(1)
+                if state.step % t.checkpoint_every == 0:
+                    save(state)
+                if t.max_steps and state.step >= t.max_steps:
+                    stopped = True
+                    break
+            if stopped:
+                break
+            if val_loader is not None:
+                ev = evaluate(model, val_loader, device, autocast, call_kwargs, t.ttt_steps)
+                metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
+                log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+            state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
+    finally:
+        metrics_log.close()
+        progress.close()
+    save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+
+    model.to("cpu")
+    if t.export_format == "speculators":
+        out = draft.export_speculators(model, dd.final_checkpoint)
+    else:
+        out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
+    plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
+    write_provenance(dd.provenance(dd.checkpoints), stage="train", config_hash=cfg.section_hash("shared", "train"),
+                     config=cfg.to_dict(), inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
+                     counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples},
+                     started=started)
+    log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
+             dd.train_curves, time.time() - started)
+    return out

@@ -1,0 +1,159 @@
+"""Stage 03: the draft vocabulary: top ``draft_vocab_size`` target ids by supervised frequency, as d2t/t2d.
+
+Counts token ids over the loss-masked (``loss_mask == 1``) positions of the training rows (the data.jsonl stage 02
+extracts: ``extract.input``), keeps the most frequent ``draft_vocab_size`` (ties to the lower id; speculators'
+``build_vocab_mappings_from_distribution``), and writes vocab/ (see records.py). With a warm-start checkpoint
+(``vocab.finetune_from`` or ``train.finetune_from``) the default keeps the checkpoint's own map, because its lm_head
+rows belong to it; ``--rebuild`` writes ours instead and stage 04 then remaps the lm_head rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .cli import StageError
+from .config import ConfigError, PipelineConfig
+from .progress import Progress
+from .records import (
+    DataDir,
+    FormatError,
+    TrainingRow,
+    VocabSummary,
+    read_jsonl,
+    read_provenance,
+    save_vocab,
+    write_provenance,
+)
+
+log = logging.getLogger(__name__)
+
+
+def rows_file(cfg: PipelineConfig) -> Path:
+    """The training rows stage 02 extracts (and so the ones the draft is trained on)."""
+    dd = DataDir(cfg.data_dir)
+    return dd.synthetic_data if cfg.extract.input == "synthetic" else dd.prepared_data
+
+
+def _count_lines(path: Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            n += chunk.count(b"\n")
+    return n
+
+
+def count_supervised_tokens(path: Path, vocab_size: int, every_s: float = 30.0) -> tuple[torch.Tensor, int]:
+    """(counts int64 [vocab_size], rows read): occurrences of each id at loss_mask == 1 positions."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    progress = Progress(_count_lines(path), unit="rows", every_s=every_s, logger=log, desc="Counting")
+    rows = 0
+    for i, d in enumerate(read_jsonl(path), 1):
+        row = TrainingRow.from_json(d, where=f"{path}:{i}")
+        ids = torch.tensor(row.input_ids, dtype=torch.int64)
+        supervised = ids[torch.tensor(row.loss_mask, dtype=torch.bool)]  # [n_supervised]
+        if supervised.numel() and (int(supervised.max()) >= vocab_size or int(supervised.min()) < 0):
+            raise FormatError(f"{path}:{i}: token id {int(supervised.max())} outside the verifier vocabulary "
+                              f"[0, {vocab_size}) (check --vocab-size)")
+        counts += torch.bincount(supervised, minlength=vocab_size)
+        rows += 1
+        progress.update(1)
+    progress.close()
+    return counts, rows
+
+
+def map_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the top ``draft_vocab_size`` ids, by speculators' own rule (unseen ids pad the map)."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    seen = torch.nonzero(counts).squeeze(1)
+    freq = dict(zip(seen.tolist(), counts[seen].tolist()))
+    return build_vocab_mappings_from_distribution(freq, draft_vocab_size, counts.shape[0])
+
+
+def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Share of supervised tokens whose id is in the draft vocabulary."""
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 0.0
+
+
+def shared_tokens(d2t_a: torch.Tensor, d2t_b: torch.Tensor) -> int:
+    """How many target ids two draft vocabularies have in common."""
+    a = set((torch.arange(d2t_a.shape[0]) + d2t_a).tolist())
+    return len(a & set((torch.arange(d2t_b.shape[0]) + d2t_b).tolist()))
+
+
+def run_vocab(cfg: PipelineConfig) -> VocabSummary:
+    """Count, choose the draft vocabulary (ours or the warm-start checkpoint's), write vocab/."""
+    from .draft import DraftFormatError, read_flat_checkpoint
+
+    started = time.time()
+    dd = DataDir(cfg.data_dir)
+    s = cfg.shared
+    path = rows_file(cfg)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run the stage that writes it first (extract.input = "
+                                f"{cfg.extract.input!r})")
+    checkpoint = cfg.vocab.finetune_from or cfg.train.finetune_from
+    config_hash = cfg.section_hash("shared", "vocab", "extract") + f":{checkpoint}"
+    inputs = [str(path), checkpoint] if checkpoint else [str(path)]
+    prov = read_provenance(dd.provenance(dd.vocab))
+    stat = path.stat()
+    fingerprint = {"rows_file_bytes": stat.st_size, "rows_file_mtime": int(stat.st_mtime)}
+    if prov and prov.get("config_hash") == config_hash and dd.vocab_summary.exists() and all(
+            prov.get("counts", {}).get(k) == v for k, v in fingerprint.items()):
+        log.info("vocab/ is up to date with %s and this config: skipping (delete %s to redo)", path, dd.vocab)
+        from .records import load_vocab_summary
+
+        return load_vocab_summary(dd.vocab_summary)
+
+    counts, rows = count_supervised_tokens(path, s.vocab_size, s.progress_every_s)
+    supervised = int(counts.sum())
+    if supervised == 0:
+        raise StageError(f"{path}: no supervised token (every loss_mask is 0)")
+    if s.draft_vocab_size > s.vocab_size:
+        raise ConfigError(f"--draft-vocab-size {s.draft_vocab_size} exceeds --vocab-size {s.vocab_size}")
+    seen = int((counts > 0).sum())
+    if seen < s.draft_vocab_size:
+        log.warning("only %d distinct supervised ids for a draft vocabulary of %d: the rest is padded with unseen "
+                    "ids (more data, or a smaller --draft-vocab-size)", seen, s.draft_vocab_size)
+    ours_d2t, ours_t2d = map_from_counts(counts, s.draft_vocab_size)
+    summary = VocabSummary(source="data", draft_vocab_size=s.draft_vocab_size, vocab_size=s.vocab_size,
+                           supervised_tokens=supervised, coverage=coverage(counts, ours_t2d), rows_file=str(path))
+    d2t, t2d = ours_d2t, ours_t2d
+    if checkpoint:
+        try:
+            ckpt = read_flat_checkpoint(checkpoint)
+        except DraftFormatError as e:
+            raise StageError(str(e)) from None
+        if ckpt.t2d.shape[0] != s.vocab_size:
+            raise StageError(f"{checkpoint}: its t2d covers {ckpt.t2d.shape[0]} target ids, --vocab-size is "
+                             f"{s.vocab_size}: not a draft for this verifier")
+        if ckpt.draft_vocab_size != s.draft_vocab_size:
+            raise ConfigError(f"{checkpoint}: draft vocabulary of {ckpt.draft_vocab_size}, --draft-vocab-size is "
+                              f"{s.draft_vocab_size}: set --draft-vocab-size {ckpt.draft_vocab_size}")
+        summary.checkpoint = str(checkpoint)
+        summary.checkpoint_coverage = coverage(counts, ckpt.t2d)
+        summary.shared_with_checkpoint = shared_tokens(ours_d2t, ckpt.d2t)
+        if cfg.vocab.rebuild:
+            summary.source = "rebuilt"
+            log.info("rebuilt map: coverage %.4f (checkpoint's map: %.4f); %d of %d ids shared with the checkpoint, "
+                     "whose lm_head rows stage 04 moves to their new places", summary.coverage,
+                     summary.checkpoint_coverage, summary.shared_with_checkpoint, s.draft_vocab_size)
+        else:
+            d2t, t2d = ckpt.d2t, ckpt.t2d
+            summary.source = "checkpoint"
+            summary.coverage = summary.checkpoint_coverage
+            log.info("kept the checkpoint's map (its lm_head rows belong to it): coverage on our data %.4f (a "
+                     "rebuilt map would cover %.4f; --rebuild to use it)", summary.checkpoint_coverage,
+                     coverage(counts, ours_t2d))
+    save_vocab(dd, d2t, t2d, counts, summary)
+    write_provenance(dd.provenance(dd.vocab), stage="vocab", config_hash=config_hash, config=cfg.to_dict(),
+                     inputs=inputs, counts={"rows": rows, "supervised_tokens": supervised, "distinct_ids": seen,
+                                            **fingerprint}, started=started)
+    log.info("vocab: wrote %s (source %s, %d rows, %d supervised tokens, coverage %.4f) in %.1fs", dd.vocab,
+             summary.source, rows, supervised, summary.coverage, time.time() - started)
+    return summary

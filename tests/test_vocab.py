@@ -1,0 +1,96 @@
+"""Stage 03: counts over supervised positions, top-N map (d2t offsets, t2d), coverage, warm-start map kept/rebuilt."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from eagle3pipe.cli import run_stage
+from eagle3pipe.config import ConfigError
+from eagle3pipe.records import DataDir, load_vocab_counts, load_vocab_mapping, load_vocab_summary
+from eagle3pipe.vocab import run_vocab
+from tests.test_draft_fixtures import (
+    DRAFT_VOCAB,
+    TOY_VOCAB,
+    make_flat_checkpoint,
+    make_rows,
+    toy_config,
+    toy_rows,  # noqa: F401 (fixture)
+    write_rows,
+)
+
+
+def _independent_top(rows, n):
+    counts = Counter(t for r in rows for t, m in zip(r.input_ids, r.loss_mask) if m == 1)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    return counts, sorted(ranked)
+
+
+def test_counts_map_and_coverage_match_an_independent_count(tmp_path, toy_llama, toy_rows):
+    write_rows(tmp_path, toy_rows)
+    cfg = toy_config(tmp_path, toy_llama)
+    cfg.shared.draft_vocab_size = 64
+    summary = run_vocab(cfg)
+    dd = DataDir(tmp_path)
+    counts, top = _independent_top(toy_rows, 64)
+    got_counts = load_vocab_counts(dd.vocab_counts)
+    assert got_counts.shape == (TOY_VOCAB,)
+    assert {i: int(c) for i, c in enumerate(got_counts.tolist()) if c} == dict(counts)  # prompt tokens not counted
+    d2t, t2d = load_vocab_mapping(dd.vocab_mapping, TOY_VOCAB, 64)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert [i + int(d2t[i]) for i in range(64)] == top  # target = i + d2t[i]
+    assert sorted(torch.nonzero(t2d).squeeze(1).tolist()) == top
+    want_cov = sum(counts[t] for t in top) / sum(counts.values())
+    assert summary.source == "data" and summary.coverage == pytest.approx(want_cov)
+    assert load_vocab_summary(dd.vocab_summary).supervised_tokens == sum(counts.values())
+
+
+def test_warm_start_keeps_the_checkpoint_map_and_rebuild_replaces_it(tmp_path, toy_llama):
+    rows = make_rows(40, seed=2)
+    write_rows(tmp_path, rows)
+    ckpt_targets = list(range(TOY_VOCAB - 2 * DRAFT_VOCAB, TOY_VOCAB, 2))  # mostly rare ids: a poor map for our data
+    ckpt = make_flat_checkpoint(tmp_path / "aq", targets=ckpt_targets)
+    dd = DataDir(tmp_path)
+    counts, top = _independent_top(rows, DRAFT_VOCAB)
+    total = sum(counts.values())
+
+    cfg = toy_config(tmp_path, toy_llama, finetune_from=str(ckpt))
+    kept = run_vocab(cfg)
+    d2t, t2d = load_vocab_mapping(dd.vocab_mapping)
+    assert kept.source == "checkpoint"
+    assert [i + int(d2t[i]) for i in range(DRAFT_VOCAB)] == ckpt_targets
+    assert kept.coverage == pytest.approx(sum(counts[t] for t in ckpt_targets) / total)
+
+    cfg.vocab.rebuild = True
+    rebuilt = run_vocab(cfg)
+    d2t, _ = load_vocab_mapping(dd.vocab_mapping)
+    assert rebuilt.source == "rebuilt" and rebuilt.checkpoint == str(ckpt)
+    assert [i + int(d2t[i]) for i in range(DRAFT_VOCAB)] == top
+    assert rebuilt.shared_with_checkpoint == len(set(top) & set(ckpt_targets))
+    assert rebuilt.coverage > rebuilt.checkpoint_coverage == pytest.approx(kept.coverage)
+
+
+def test_checkpoint_with_another_draft_vocab_size_is_refused(tmp_path, toy_llama, toy_rows):
+    write_rows(tmp_path, toy_rows)
+    ckpt = make_flat_checkpoint(tmp_path / "aq")
+    cfg = toy_config(tmp_path, toy_llama, finetune_from=str(ckpt))
+    cfg.shared.draft_vocab_size = 128
+    with pytest.raises(ConfigError, match="--draft-vocab-size 256"):
+        run_vocab(cfg)
+
+
+def test_door_writes_vocab_and_skips_an_unchanged_rerun(tmp_path, toy_llama, toy_rows, caplog):
+    write_rows(tmp_path, toy_rows)
+    argv = ["--data-dir", str(tmp_path), "--verifier", str(toy_llama), "--vocab-size", str(TOY_VOCAB),
+            "--draft-vocab-size", "32", "--hidden-size", "128", "--aux-layer-ids", "2", "4", "5"]
+    assert run_stage("vocab", "03_vocab", run_vocab, None, argv) == 0
+    dd = DataDir(tmp_path)
+    first = dd.vocab_mapping.stat().st_mtime_ns
+    assert load_vocab_summary(dd.vocab_summary).draft_vocab_size == 32
+    assert run_stage("vocab", "03_vocab", run_vocab, None, argv) == 0
+    assert dd.vocab_mapping.stat().st_mtime_ns == first  # skipped, not rewritten
+    assert "up to date" in dd.log_file("03_vocab").read_text()
+    # a missing input is one clean error line, exit 2
+    assert run_stage("vocab", "03_vocab", run_vocab, None, argv + ["--data-dir", str(tmp_path / "none")]) == 2
