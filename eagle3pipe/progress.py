@@ -33,7 +33,7 @@ def setup_logging(log_file: Path | None, level: int = logging.INFO) -> None:
         h.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
         h._eagle3pipe = True  # so a second setup (tests) replaces, not duplicates, our handlers
         root.addHandler(h)
-    for noisy in ("httpx", "httpcore", "openai", "urllib3", "filelock", "datasets", "fsspec"):
+    for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3", "filelock", "datasets", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

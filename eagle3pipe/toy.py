@@ -275,6 +275,9 @@ def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: st
     text_dict = text_cfg.to_dict()
     text_dict["model_type"] = "deepseek_v3"
     text_dict["architectures"] = ["DeepseekV3ForCausalLM"]
+    # As in the released text_config: vLLM reads these to build the sigmoid router with its correction bias
+    # (transformers' DeepseekV3 always routes that way and does not write them).
+    text_dict.update(topk_method="noaux_tc", scoring_func="sigmoid")
     vision_dict = {
         "model_type": "kimi_k25_vision", "patch_size": patch, "num_attention_heads": 2, "num_hidden_layers": 1,
         "hidden_size": vis_hidden, "intermediate_size": vis_mlp, "pos_emb_height": pos_hw, "pos_emb_width": pos_hw,

@@ -1,0 +1,396 @@
+"""Stage 01b, the request side: send questions to vLLM with bounded concurrency, read each reply, write it at once.
+
+``Generator`` spreads requests over one or more servers (fewest in flight first), retries timeouts, connection
+errors and 5xx with exponential backoff, reads reasoning from ``reasoning`` then ``reasoning_content`` then any
+reasoning-like field, takes the server's exact token ids (``return_token_ids``) or rebuilds them from text, flags
+truncated/short records, trips the empty-reasoning guard, and shows the servers' own /metrics in the progress line.
+``eagle3pipe/generate.py`` owns the files, the resume bookkeeping and the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx2  # the HTTP library the openai client is built on
+import openai
+
+from .chat import SpecialIds, prompt_token_ids, rebuild_completion_ids
+from .cli import StageError
+from .config import PipelineConfig
+from .progress import Progress
+from .records import JsonlAppender, RequestError, Response, TrainingRow
+from .server import ServerMetrics, aread_metrics, make_async_client
+
+log = logging.getLogger(__name__)
+
+TRUNCATED_FINISH_REASONS = ("length", "abort", "repetition")
+GUARD_WINDOW = 100  # the empty-reasoning guard judges the first this-many finished requests
+REASONING_FIELDS = ("reasoning", "reasoning_content")  # vLLM >= 0.16, then older vLLM / other servers
+MAX_BACKOFF_S = 60.0
+METRICS_EVERY_S = 15.0  # cap on the /metrics scrape interval (progress lines may be rarer)
+QUEUE_WARN_SHARE = 0.25  # warn when requests wait in the server's queue this share of the timeout
+
+
+class EmptyReasoningError(StageError):
+    """Too many responses came back without reasoning: the server or the field read is wrong."""
+
+
+class BadResponse(ValueError):
+    """A 200 reply that is not a usable chat completion (no choices, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading one completion
+
+
+@dataclass
+class ParsedCompletion:
+    reasoning: str | None
+    reasoning_field: str  # where the reasoning came from ("" when none)
+    content: str | None
+    finish_reason: str
+    usage: dict
+    prompt_token_ids: list[int] | None  # None when the server did not return ids
+    completion_token_ids: list[int] | None
+    message_fields: dict  # what the message held, for the guard's error message: {field: short description}
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"str({len(value)} chars)" if value else "empty str"
+    return type(value).__name__
+
+
+def parse_completion(body: dict) -> ParsedCompletion:
+    """Read one chat-completion reply (its JSON body, as vLLM sent it).
+
+    Reasoning from ``reasoning`` (vLLM >= 0.16), then ``reasoning_content`` (older vLLM, other servers), then any
+    other string field of the message named like reasoning/thinking. Token ids from vLLM's ``return_token_ids``.
+    """
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not choices or not isinstance(choices[0].get("message"), dict):
+        raise BadResponse(f"reply has no choices[0].message (keys: {sorted(body) if isinstance(body, dict) else body})")
+    choice = choices[0]
+    msg = choice["message"]
+    reasoning, reasoning_field = None, ""
+    for name in REASONING_FIELDS:
+        if msg.get(name):
+            reasoning, reasoning_field = msg[name], name
+            break
+    if reasoning is None:  # an unknown server: any string field named like reasoning/thinking
+        for name, value in msg.items():
+            if isinstance(value, str) and value and ("reason" in name or "think" in name):
+                reasoning, reasoning_field = value, name
+                break
+    return ParsedCompletion(
+        reasoning=reasoning,
+        reasoning_field=reasoning_field,
+        content=msg.get("content"),
+        finish_reason=choice.get("finish_reason") or "unknown",
+        usage={k: v for k, v in (body.get("usage") or {}).items() if v is not None},
+        prompt_token_ids=body.get("prompt_token_ids"),
+        completion_token_ids=choice.get("token_ids"),
+        message_fields={k: _describe(v) for k, v in msg.items()},
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training rows
+
+
+def trainable(flags: list[str], include_truncated: bool) -> bool:
+    """A record goes into data.jsonl unless flagged; truncated ones too with --include-truncated."""
+    return not flags or (include_truncated and set(flags) <= set(TRUNCATED_FINISH_REASONS))
+
+
+def training_row(qid: str, prompt_ids: list[int], completion_ids: list[int], source: str) -> TrainingRow:
+    """Prompt ids (loss 0) then the completion exactly as generated (loss 1)."""
+    return TrainingRow(id=qid, input_ids=list(prompt_ids) + list(completion_ids),
+                       loss_mask=[0] * len(prompt_ids) + [1] * len(completion_ids), source=source)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass
+class RunStats:
+    finished: int = 0
+    errors: int = 0
+    retries: int = 0
+    empty_reasoning: int = 0
+    guard_seen: int = 0  # finished requests the guard has judged (the first GUARD_WINDOW)
+    guard_empty: int = 0  # of those, how many came back without reasoning
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    data_rows: int = 0
+    rebuilt_ids: int = 0
+    finish_reasons: collections.Counter = field(default_factory=collections.Counter)
+    flags: collections.Counter = field(default_factory=collections.Counter)
+    error_kinds: collections.Counter = field(default_factory=collections.Counter)
+    first_empty: dict | None = None  # the first empty-reasoning reply, described for the guard's message
+
+    def summary(self) -> dict:
+        return {
+            "finished": self.finished, "errors": self.errors, "retries": self.retries,
+            "finish_reasons": dict(self.finish_reasons), "flags": dict(self.flags),
+            "error_kinds": dict(self.error_kinds), "data_rows": self.data_rows,
+            "empty_reasoning": self.empty_reasoning,
+            "empty_reasoning_share": round(self.empty_reasoning / self.finished, 4) if self.finished else 0.0,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "rebuilt_token_ids": self.rebuilt_ids,
+        }
+
+
+class Generator:
+    """Sends the questions with bounded concurrency over one or more servers and writes each result at once."""
+
+    def __init__(self, cfg: PipelineConfig, tokenizer, special: SpecialIds, previous_attempts: dict[str, int],
+                 progress: Progress, responses_out: JsonlAppender, data_out: JsonlAppender,
+                 errors_out: JsonlAppender):
+        self.cfg, self.g = cfg, cfg.generate
+        self.tokenizer, self.special, self.progress = tokenizer, special, progress
+        self.previous_attempts = previous_attempts  # attempts spent on an id by earlier runs (errors.jsonl)
+        self.responses_out, self.data_out, self.errors_out = responses_out, data_out, errors_out
+        self.urls = [u.rstrip("/") for u in cfg.shared.vllm_url]
+        self.extra_body = {"return_token_ids": True, "chat_template_kwargs": {"thinking": cfg.shared.thinking},
+                           **(json.loads(self.g.request_extra_json) if self.g.request_extra_json else {})}
+        self.in_flight = [0] * len(self.urls)
+        self.stats = RunStats()
+        self.guard_limit = 0
+        self.prompt_checked = False
+        self.started = time.monotonic()
+
+    # -- one request ------------------------------------------------------------------------------------------
+    def _pick_server(self) -> int:
+        low = min(self.in_flight)
+        return random.choice([i for i, n in enumerate(self.in_flight) if n == low])
+
+    async def _ask(self, client, model: str, messages: list[dict]) -> dict:
+        # with_raw_response: the openai client still sends, times out and raises typed errors, but the reply is
+        # read as plain JSON. On a box shared with the server, building pydantic models for every reply costs
+        # measurable server CPU, and the raw body keeps every field vLLM sent.
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_completion_tokens=self.g.max_completion_tokens,
+            temperature=self.g.temperature, top_p=self.g.top_p, extra_body=self.extra_body,
+            timeout=self.g.request_timeout_s,
+        )
+        try:
+            return json.loads(raw.http_response.content)
+        except ValueError as e:
+            raise BadResponse(f"reply is not JSON ({e})") from None
+
+    async def run_one(self, q, clients, model: str) -> None:
+        attempts_allowed = 1 + self.g.max_retries
+        kind, message, url = "", "", ""
+        for attempt in range(attempts_allowed):
+            idx = self._pick_server()
+            url = self.urls[idx]
+            self.in_flight[idx] += 1
+            t0 = time.monotonic()
+            try:
+                resp = await self._ask(clients[idx], model, q.messages)
+            except openai.APITimeoutError:
+                kind, message, retry = "timeout", f"no reply within {self.g.request_timeout_s:g} s", True
+            except openai.APIConnectionError as e:
+                kind, message, retry = "connection", f"{type(e.__cause__ or e).__name__}: {e}", True
+            except openai.APIStatusError as e:
+                status = e.status_code
+                kind = "http_5xx" if status >= 500 else f"http_{status}"
+                message, retry = f"HTTP {status}: {str(e)[:300]}", status >= 500 or status in (408, 429)
+            except BadResponse as e:
+                kind, message, retry = "bad_response", str(e), False
+            else:
+                try:
+                    self._finish(q, parse_completion(resp), url, time.monotonic() - t0)
+                    return
+                except BadResponse as e:
+                    kind, message, retry = "bad_response", str(e), False
+            finally:
+                self.in_flight[idx] -= 1
+            if not retry or attempt + 1 == attempts_allowed:
+                break
+            self.stats.retries += 1
+            delay = min(MAX_BACKOFF_S, self.g.retry_backoff_s * 2**attempt) * random.uniform(0.8, 1.2)
+            log.debug("%s: %s on %s (attempt %d), retrying in %.1f s", q.id, kind, url, attempt + 1, delay)
+            await asyncio.sleep(delay)
+        attempts = attempt + 1 + self.previous_attempts.get(q.id, 0)
+        self.errors_out.write(RequestError(id=q.id, kind=kind, message=message, attempts=attempts,
+                                           server=url).to_json())
+        self.stats.errors += 1
+        self.stats.error_kinds[kind] += 1
+        self.progress.update(0, errors=1, **self._fields())
+
+    # -- one result -------------------------------------------------------------------------------------------
+    def _finish(self, q, p: ParsedCompletion, url: str, latency_s: float) -> None:
+        source = "server"
+        prompt_ids, completion_ids = p.prompt_token_ids, p.completion_token_ids
+        if prompt_ids is None:
+            prompt_ids = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking)
+        elif not self.prompt_checked:
+            self._check_prompt_ids(q, prompt_ids)
+        if completion_ids is None:
+            # No ids from the server (return_token_ids unsupported or off, include_reasoning=false, another
+            # server): rebuild them from the text with the verifier's tokenizer. Only as exact as the text (the
+            # parser trims reasoning whitespace; BPE may re-merge), hence marked in the record.
+            source = "rebuilt"
+            completion_ids = rebuild_completion_ids(self.tokenizer, self.special, p.reasoning, p.content,
+                                                    finished=p.finish_reason == "stop")
+            self.stats.rebuilt_ids += 1
+        flags = []
+        if p.finish_reason in TRUNCATED_FINISH_REASONS:
+            flags.append(p.finish_reason)
+        if not completion_ids:
+            flags.append("empty")
+        elif len(completion_ids) < self.g.min_completion_tokens:
+            flags.append("short")
+        if len(prompt_ids) + len(completion_ids) > self.cfg.shared.max_seq_len:
+            flags.append("too_long")
+        record = Response(id=q.id, messages=q.messages, reasoning=p.reasoning, content=p.content,
+                          finish_reason=p.finish_reason, usage=p.usage, prompt_token_ids=list(prompt_ids),
+                          completion_token_ids=list(completion_ids), server=url, latency_s=round(latency_s, 3),
+                          token_ids_source=source, flags=flags, reasoning_field=p.reasoning_field)
+        self.responses_out.write(record.to_json())
+        if completion_ids and trainable(flags, self.g.include_truncated):
+            # vars(): the flat record as is; asdict() would deep-copy every id list (measurable client CPU)
+            self.data_out.write(vars(training_row(q.id, prompt_ids, completion_ids, q.source)))
+            self.stats.data_rows += 1
+        st = self.stats
+        st.finished += 1
+        st.finish_reasons[p.finish_reason] += 1
+        st.flags.update(flags)
+        st.prompt_tokens += len(prompt_ids)
+        st.completion_tokens += len(completion_ids)
+        empty = not (p.reasoning or "").strip()
+        st.empty_reasoning += empty
+        self.progress.update(1, **self._fields())
+        if self.cfg.shared.thinking and st.guard_seen < GUARD_WINDOW:
+            st.guard_seen += 1
+            if empty:
+                st.guard_empty += 1
+                st.first_empty = st.first_empty or {"id": q.id, "fields": p.message_fields,
+                                                    "finish_reason": p.finish_reason}
+            self._check_guard()
+
+    def _check_guard(self) -> None:
+        """Trip as soon as the empty share of the first min(100, total) requests must exceed the allowed share."""
+        empty = self.stats.guard_empty
+        if empty > self.guard_limit:
+            fe = self.stats.first_empty
+            fields = ", ".join(f"{k}={v}" for k, v in fe["fields"].items())
+            raise EmptyReasoningError(
+                f"reasoning came back empty in {empty} of the first {self.stats.guard_seen} finished requests "
+                f"(allowed: {self.g.empty_reasoning_max_share:.0%} of the first {GUARD_WINDOW}). Fields read: "
+                f"{', '.join(REASONING_FIELDS)}, then any *reason*/*think* field. The server sent (request "
+                f"{fe['id']}, finish_reason {fe['finish_reason']}): {fields}. Start the server with "
+                "--reasoning-parser kimi_k2 (vLLM >= 0.16 names the field `reasoning`) and do not pass "
+                "include_reasoning=false; then rerun with --overwrite (synthetic/ holds the empty records)."
+            )
+
+    def _check_prompt_ids(self, q, server_prompt_ids: list[int]) -> None:
+        """Once: the server's prompt ids should equal our rendering; a mismatch means another tokenizer/template."""
+        self.prompt_checked = True
+        ours = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking)
+        if list(server_prompt_ids) != ours:
+            at = next((i for i, (a, b) in enumerate(zip(ours, server_prompt_ids)) if a != b), min(len(ours),
+                                                                                               len(server_prompt_ids)))
+            log.warning("the server's prompt ids for %s differ from the verifier tokenizer's rendering at position "
+                        "%d (server %d ids, ours %d): is --verifier the model the server serves? Training uses the "
+                        "server's ids.", q.id, at, len(server_prompt_ids), len(ours))
+        if self.cfg.shared.thinking and (not server_prompt_ids or server_prompt_ids[-1] != self.special.think):
+            log.warning("the server's prompt for %s does not end with <think> (id %d) although thinking is on",
+                        q.id, self.special.think)
+
+    # -- progress and /metrics -----------------------------------------------------------------------------------
+    def _fields(self) -> dict:
+        st = self.stats
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        out = {"retries": str(st.retries), "gen tok/s": f"{st.completion_tokens / elapsed:.0f}"}
+        if st.finished:
+            out["avg completion"] = f"{st.completion_tokens / st.finished:.0f} tokens"
+        return out
+
+    async def monitor(self) -> None:
+        """Scrape every server's /metrics; show running/waiting/tok/s and warn when queueing eats the timeout."""
+        interval = min(METRICS_EVERY_S, self.cfg.shared.progress_every_s)
+        prev: dict[str, ServerMetrics] = {}
+        last_warning = -1e9
+        async with httpx2.AsyncClient() as http:
+            while True:
+                await asyncio.sleep(interval)
+                snaps = [m for m in [await aread_metrics(http, u) for u in self.urls] if m is not None]
+                if not snaps:
+                    continue
+                running = sum(m.running for m in snaps)
+                waiting = sum(m.waiting for m in snaps)
+                tok_s, queue_s = 0.0, 0.0
+                for m in snaps:
+                    before = prev.get(m.url)
+                    if before is not None:
+                        dt = m.taken_at - before.taken_at
+                        tok_s += (m.generation_tokens - before.generation_tokens) / dt
+                        left_queue = m.queue_time_count - before.queue_time_count
+                        if left_queue > 0:
+                            queue_s = max(queue_s, (m.queue_time_sum_s - before.queue_time_sum_s) / left_queue)
+                    prev[m.url] = m
+                self.progress.set_fields(server=f"{running:.0f} running / {waiting:.0f} waiting, {tok_s:.0f} tok/s")
+                warn_at = QUEUE_WARN_SHARE * self.g.request_timeout_s
+                if waiting > 0 and queue_s > warn_at and time.monotonic() - last_warning > 300:
+                    last_warning = time.monotonic()
+                    log.warning(
+                        "requests wait %.0f s on average in the servers' queues (%d waiting, %d running; timeout "
+                        "%.0f s): timeouts will follow. The servers run about %d requests at once: lower "
+                        "--concurrency to about %d, or raise --request-timeout-s.",
+                        queue_s, waiting, running, self.g.request_timeout_s, running, max(1, running))
+
+    # -- driver ---------------------------------------------------------------------------------------------------
+    async def run(self, todo: list) -> None:
+        self.guard_limit = int(self.g.empty_reasoning_max_share * min(GUARD_WINDOW, len(todo)))
+        clients = [make_async_client(u, self.g.request_timeout_s, max_connections=self.g.concurrency + 8)
+                   for u in self.urls]
+        model = self.g.served_model_name or await _served_model(clients[0], self.urls[0])
+        log.info("sending %d requests to %s (model %s), %d in flight", len(todo), ", ".join(self.urls), model,
+                 self.g.concurrency)
+        queue: asyncio.Queue = asyncio.Queue()
+        for q in todo:
+            queue.put_nowait(q)
+
+        async def worker() -> None:
+            while True:
+                try:
+                    q = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await self.run_one(q, clients, model)
+
+        monitor = asyncio.create_task(self.monitor())
+        workers = [asyncio.create_task(worker()) for _ in range(min(self.g.concurrency, len(todo)))]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for t in [*workers, monitor]:
+                t.cancel()
+            await asyncio.gather(*workers, monitor, return_exceptions=True)
+            for c in clients:
+                await c.close()
+
+
+async def _served_model(client, url: str) -> str:
+    try:
+        models = await client.models.list()
+    except openai.OpenAIError as e:
+        raise StageError(f"cannot list models at {url}/v1/models ({e}); is the server up? (flag --vllm-url)") from None
+    if not models.data:
+        raise StageError(f"{url}/v1/models lists no model; pass --served-model-name")
+    return models.data[0].id

@@ -1,0 +1,311 @@
+"""The one client and launcher for vLLM's OpenAI-compatible server, used by every stage and by the tests.
+
+- ``VllmServer``: start ``python -m vllm.entrypoints.openai.api_server`` for a model folder (in vLLM's own venv,
+  ``.venv-vllm`` by default) on a free loopback port, wait until it answers, stream its log to a file, stop it by
+  process group. A context manager; ``kill()`` is the hard stop the fault drills use.
+- ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
+  waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
+- ``make_async_client``: an ``AsyncOpenAI`` client. Base URLs are given WITHOUT ``/v1`` everywhere in the pipeline
+  (``shared.vllm_url``); ``api_base`` is the one place that appends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2  # the HTTP library the openai client is built on
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON_ENV = "EAGLE3PIPE_VLLM_PYTHON"  # override for the interpreter that has vLLM installed
+
+
+class ServerError(RuntimeError):
+    """A vLLM server did not start or stopped answering; the message holds the tail of its log."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# URLs and clients
+
+
+def api_base(url: str) -> str:
+    """``http://host:port`` -> ``http://host:port/v1``. The pipeline's URL setting never carries ``/v1`` itself."""
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://", url):
+        raise ValueError(f"vLLM URL {url!r} must start with http:// or https:// (flag --vllm-url)")
+    if url.endswith("/v1"):
+        raise ValueError(f"vLLM URL {url!r} ends with /v1: give the server root, e.g. {url[:-3]} (flag --vllm-url)")
+    return url + "/v1"
+
+
+def make_async_client(url: str, timeout_s: float, max_connections: int = 256):
+    """An ``AsyncOpenAI`` client for one server; retries are the caller's (``max_retries=0``), so they are counted."""
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    http_client = DefaultAsyncHttpxClient(
+        limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        timeout=httpx2.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+    )
+    return AsyncOpenAI(
+        base_url=api_base(url),
+        api_key=os.environ.get("VLLM_API_KEY", "EMPTY"),
+        timeout=timeout_s,
+        max_retries=0,
+        http_client=http_client,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# /metrics
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus_text(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition as (name, labels, value); comments and blank lines skipped."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL_RE.findall(m.group(3) or ""))
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        samples.append((m.group(1), labels, value))
+    return samples
+
+
+@dataclass
+class ServerMetrics:
+    """One scrape of a vLLM server's ``/metrics``. ``value`` sums a metric over the label sets that match."""
+
+    url: str
+    taken_at: float  # time.monotonic() of the scrape
+    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+
+    def value(self, name: str, **labels: str) -> float:
+        return sum(v for n, lab, v in self.samples
+                   if n == name and all(lab.get(k) == want for k, want in labels.items()))
+
+    def has(self, name: str) -> bool:
+        return any(n == name for n, _, _ in self.samples)
+
+    @property
+    def running(self) -> float:
+        return self.value("vllm:num_requests_running")
+
+    @property
+    def waiting(self) -> float:
+        return self.value("vllm:num_requests_waiting")
+
+    @property
+    def generation_tokens(self) -> float:
+        return self.value("vllm:generation_tokens_total")
+
+    @property
+    def queue_time_sum_s(self) -> float:
+        return self.value("vllm:request_queue_time_seconds_sum")
+
+    @property
+    def queue_time_count(self) -> float:
+        return self.value("vllm:request_queue_time_seconds_count")
+
+    @property
+    def spec_decode_drafts(self) -> float:
+        return self.value("vllm:spec_decode_num_drafts_total")
+
+    @property
+    def spec_decode_draft_tokens(self) -> float:
+        return self.value("vllm:spec_decode_num_draft_tokens_total")
+
+    @property
+    def spec_decode_accepted_tokens(self) -> float:
+        return self.value("vllm:spec_decode_num_accepted_tokens_total")
+
+    def spec_decode_accepted_per_position(self) -> list[float]:
+        """Accepted-token counters by draft position 0, 1, ... (empty without speculative decoding)."""
+        by_pos = {}
+        for n, lab, v in self.samples:
+            if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total" and "position" in lab:
+                by_pos[int(lab["position"])] = by_pos.get(int(lab["position"]), 0.0) + v
+        return [by_pos[i] for i in sorted(by_pos)]
+
+
+def acceptance_length(before: ServerMetrics, after: ServerMetrics) -> float:
+    """Mean tokens per verify step between two scrapes: 1 + accepted / drafts (NaN when no draft ran)."""
+    drafts = after.spec_decode_drafts - before.spec_decode_drafts
+    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
+    return 1.0 + accepted / drafts if drafts > 0 else math.nan
+
+
+def read_metrics(url: str, timeout_s: float = 5.0) -> ServerMetrics:
+    """Scrape ``<url>/metrics`` (url without /v1). Raises httpx errors when the server does not answer."""
+    resp = httpx2.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+    resp.raise_for_status()
+    return ServerMetrics(url=url, taken_at=time.monotonic(), samples=parse_prometheus_text(resp.text))
+
+
+async def aread_metrics(client: httpx2.AsyncClient, url: str, timeout_s: float = 5.0) -> ServerMetrics | None:
+    """Async scrape; None when the server has no /metrics or does not answer (progress then shows client figures)."""
+    try:
+        resp = await client.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+        if resp.status_code != 200:
+            return None
+        return ServerMetrics(url=url, taken_at=time.monotonic(), samples=parse_prometheus_text(resp.text))
+    except httpx2.HTTPError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_vllm_python() -> str:
+    return os.environ.get(VLLM_PYTHON_ENV) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server in its own process group, on 127.0.0.1.
+
+    ``with VllmServer(model_dir, extra_args=["--reasoning-parser", "kimi_k2"], log_file=...) as srv:`` starts it,
+    waits until ``/v1/models`` answers, and stops it on exit. ``srv.url`` has no ``/v1``. ``kill()`` then
+    ``start()`` restarts it on the same port (the fault drills do this).
+    """
+
+    def __init__(self, model_dir: str | Path, *, extra_args: list[str] | tuple[str, ...] = (),
+                 served_model_name: str | None = None, port: int | None = None, log_file: str | Path | None = None,
+                 python: str | None = None, kv_cache_gib: int = 1, enforce_eager: bool = True,
+                 startup_timeout_s: float = 900.0, env: dict[str, str] | None = None):
+        self.model_dir = str(model_dir)
+        self.extra_args = list(extra_args)
+        self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
+        self.port = port or free_port()
+        self.log_file = Path(log_file) if log_file else Path(f"/tmp/vllm-{self.port}.log")
+        self.python = python or default_vllm_python()
+        self.kv_cache_gib = kv_cache_gib
+        self.enforce_eager = enforce_eager
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.start_seconds: float | None = None  # how long the last start took until ready
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.served_model_name != self.model_dir:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args
+
+    def start(self) -> "VllmServer":
+        if self.proc is not None and self.proc.poll() is None:
+            raise ServerError(f"server on port {self.port} is already running (pid {self.proc.pid})")
+        if not Path(self.python).exists():
+            raise ServerError(f"no vLLM interpreter at {self.python}; set {VLLM_PYTHON_ENV} or create .venv-vllm")
+        env = dict(os.environ)
+        # Loopback only; a small CPU KV cache; never reach the hub (VLLM_* names are vLLM's own settings).
+        env.update({"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                    "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        env.update(self.env)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_fh = open(self.log_file, "ab")
+        log.info("starting vLLM: %s (log %s)", " ".join(self.command()), self.log_file)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command(), stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # own process group: stop() reaches its workers
+        log_fh.close()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        log.info("vLLM ready at %s after %.0f s (pid %d)", self.url, self.start_seconds, self.proc.pid)
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM exited with status {self.proc.returncode} during start-up; "
+                                  f"log {self.log_file}:\n{self.log_tail()}")
+            try:
+                if httpx2.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
+                          f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # pgid == pid: start_new_session made it the group leader
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Hard stop (SIGKILL to the whole group), as a crash would; the fault drills use this."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # workers of an exited parent too
+        self.proc.wait()
+
+    def metrics(self) -> ServerMetrics:
+        return read_metrics(self.url)
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,268 @@
+"""Stage 01b without a vLLM server: reply parsing, /metrics parsing, resume repair, and the fault drills a real
+server cannot stage on demand (timeouts, 5xx, no reasoning field, a long queue), against a small local HTTP server
+that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eagle3pipe.config import ConfigError, load_config
+from eagle3pipe.generate import run_generate
+from eagle3pipe.generate_requests import BadResponse, EmptyReasoningError, parse_completion
+from eagle3pipe.records import (
+    DataDir,
+    Question,
+    Response,
+    check_synthetic,
+    load_request_errors,
+    load_responses,
+    load_training_rows,
+    read_jsonl,
+    write_jsonl_atomic,
+)
+from eagle3pipe.server import api_base, parse_prometheus_text
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _completion(reasoning_field: str | None = "reasoning", reasoning: str = "let me think", content: str = "4",
+                with_ids: bool = True, finish_reason: str = "stop") -> dict:
+    message = {"role": "assistant", "content": content}
+    if reasoning_field:
+        message[reasoning_field] = reasoning
+    choice = {"index": 0, "finish_reason": finish_reason, "message": message}
+    body = {"id": "cmpl-1", "object": "chat.completion", "created": 0, "model": "stub", "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+    if with_ids:
+        choice["token_ids"] = [5, 6, 7, 8]
+        body["prompt_token_ids"] = [1, 2, 3]
+    return body
+
+
+def _write_questions(data_dir, n: int) -> list[str]:
+    qs = [Question(id=f"q{i:03d}", messages=[{"role": "user", "content": f"what is {i} + {i}?"}], source="drill")
+          for i in range(n)]
+    write_jsonl_atomic(DataDir(data_dir).questions, [q.to_json() for q in qs])
+    return [q.id for q in qs]
+
+
+def _config(data_dir, verifier, meta, urls, **generate):
+    cfg = load_config(None, {
+        "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "vllm_url": urls,
+                   "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
+                   "progress_every_s": 0.5},
+        "generate": {"served_model_name": "stub", "min_completion_tokens": 1, **generate},
+    })
+    cfg.validate("generate")
+    return cfg
+
+
+class _QuietHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # a client that timed out closed the socket: expected here
+        pass
+
+
+class StubServer:
+    """A local OpenAI-compatible HTTP server with scripted faults. ``mode``: how /v1/chat/completions misbehaves."""
+
+    def __init__(self, mode: str, delay_s: float = 0.0, fail_first: int = 0):
+        self.mode, self.delay_s, self.fail_first = mode, delay_s, fail_first
+        self.requests: dict[str, int] = {}  # user prompt -> requests received
+        self.scrapes = 0
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep the test output clean
+                pass
+
+            def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/metrics":
+                    with stub.lock:
+                        stub.scrapes += 1
+                        n = stub.scrapes
+                    # every scrape, one more request left a queue it sat in for 100 s
+                    self._send(200, "# HELP vllm:num_requests_running x\n"
+                                    'vllm:num_requests_running{engine="0",model_name="stub"} 3.0\n'
+                                    'vllm:num_requests_waiting{engine="0",model_name="stub"} 7.0\n'
+                                    f'vllm:generation_tokens_total{{engine="0",model_name="stub"}} {40.0 * n}\n'
+                                    f'vllm:request_queue_time_seconds_sum{{engine="0",model_name="stub"}} {100.0 * n}\n'
+                                    f'vllm:request_queue_time_seconds_count{{engine="0",model_name="stub"}} {n}.0\n',
+                               "text/plain")
+                else:
+                    self._send(200, json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}))
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                with stub.lock:
+                    stub.requests[prompt] = stub.requests.get(prompt, 0) + 1
+                    seen = stub.requests[prompt]
+                time.sleep(stub.delay_s)
+                if stub.mode == "fail_first" and seen <= stub.fail_first:
+                    self._send(500, json.dumps({"error": {"message": "engine hiccup", "code": 500}}))
+                elif stub.mode == "no_reasoning":
+                    self._send(200, json.dumps(_completion(reasoning_field=None)))
+                else:
+                    self._send(200, json.dumps(_completion()))
+
+        self.httpd = _QuietHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parsing
+
+
+@pytest.mark.parametrize("field_name", ["reasoning", "reasoning_content", "thinking"])
+def test_reasoning_read_from_new_old_and_unknown_fields(field_name):
+    parsed = parse_completion(_completion(reasoning_field=field_name))
+    assert parsed.reasoning == "let me think"
+    assert parsed.reasoning_field == field_name
+    assert parsed.content == "4"
+    assert parsed.prompt_token_ids == [1, 2, 3] and parsed.completion_token_ids == [5, 6, 7, 8]
+
+
+def test_reasoning_prefers_new_field_and_reports_what_came_back():
+    body = _completion(reasoning_field="reasoning", reasoning="new")
+    body["choices"][0]["message"]["reasoning_content"] = "old"
+    parsed = parse_completion(body)
+    assert parsed.reasoning == "new" and parsed.reasoning_field == "reasoning"
+    missing = parse_completion(_completion(reasoning_field=None, with_ids=False))
+    assert missing.reasoning is None and missing.reasoning_field == ""
+    assert missing.prompt_token_ids is None and missing.completion_token_ids is None
+    assert missing.message_fields == {"role": "str(9 chars)", "content": "str(1 chars)"}
+    with pytest.raises(BadResponse, match="no choices"):
+        parse_completion({"object": "error", "message": "?"})
+
+
+def test_prometheus_text_parsed_into_labelled_samples():
+    text = ('# HELP vllm:x y\n# TYPE vllm:x counter\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 7.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 11.0\n'
+            'vllm:num_requests_running{model_name="a b"} 3\n')
+    samples = parse_prometheus_text(text)
+    assert ("vllm:num_requests_running", {"model_name": "a b"}, 3.0) in samples
+    assert len(samples) == 3
+
+
+def test_api_base_is_appended_in_one_place_and_v1_refused():
+    assert api_base("http://h:8000/") == "http://h:8000/v1"
+    with pytest.raises(ValueError, match="without|ends with /v1"):
+        api_base("http://h:8000/v1")
+    with pytest.raises(ConfigError, match="without /v1"):
+        load_config(None, {"shared": {"verifier": "x", "vllm_url": ["http://h:8000/v1"]}}).validate("generate")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# drills against a misbehaving local server
+
+
+def test_timeouts_are_retried_then_recorded_as_errors(tmp_path, toy_llama, toy_meta):
+    ids = _write_questions(tmp_path, 3)
+    with StubServer("ok", delay_s=1.5) as stub:
+        cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=0.3, max_retries=2,
+                      retry_backoff_s=0.05)
+        summary = run_generate(cfg)
+        received = dict(stub.requests)
+    errors = list(load_request_errors(DataDir(tmp_path).synthetic_errors))
+    assert sorted(e.id for e in errors) == ids
+    assert all(e.kind == "timeout" and e.attempts == 3 for e in errors)
+    assert sorted(received.values()) == [3, 3, 3]  # the server saw 1 try + 2 retries per question
+    assert summary["retries"] == 6 and summary["finished"] == 0
+    check = check_synthetic(DataDir(tmp_path), ids)
+    assert check.ok() and check.errored == 3 and check.finished == 0
+
+
+def test_5xx_is_retried_and_then_succeeds_and_errors_are_retried_on_resume(tmp_path, toy_llama, toy_meta):
+    ids = _write_questions(tmp_path, 4)
+    dd = DataDir(tmp_path)
+    with StubServer("fail_first", fail_first=2) as stub:
+        # run 1: one retry is not enough (2 failures per question): everything errors with kind http_5xx
+        run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url], max_retries=1, retry_backoff_s=0.05))
+        first = list(load_request_errors(dd.synthetic_errors))
+        assert [e.kind for e in first] == ["http_5xx"] * 4 and all(e.attempts == 2 for e in first)
+        # run 2, same command: the errored ids are retried; the third try of each succeeds
+        summary = run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url], max_retries=1,
+                                       retry_backoff_s=0.05))
+    assert summary["finished"] == 4 and summary["errors"] == 0
+    assert list(read_jsonl(dd.synthetic_errors)) == []  # stale errors dropped, never an id in both files
+    responses = list(load_responses(dd.responses))
+    assert sorted(r.id for r in responses) == ids
+    rows = {r.id: r for r in load_training_rows(dd.synthetic_data)}
+    for r in responses:  # the server's ids, mask on the completion only
+        assert rows[r.id].input_ids == [1, 2, 3, 5, 6, 7, 8]
+        assert rows[r.id].loss_mask == [0, 0, 0, 1, 1, 1, 1]
+    assert check_synthetic(dd, ids).ok()
+
+
+def test_server_without_reasoning_field_trips_the_guard(tmp_path, toy_llama, toy_meta):
+    _write_questions(tmp_path, 30)
+    with StubServer("no_reasoning") as stub:
+        cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], concurrency=2)
+        with pytest.raises(EmptyReasoningError) as err:
+            run_generate(cfg)
+    message = str(err.value)
+    # names the fields it read and what the server sent instead
+    assert "reasoning_content" in message and "content=str(1 chars)" in message
+    assert "--reasoning-parser kimi_k2" in message
+    # tripped early: 5% of 30 allows 1 empty, so it stops at the 2nd, not after all 30
+    assert len(list(read_jsonl(DataDir(tmp_path).responses))) < 30
+
+
+def test_queue_warning_suggests_the_concurrency_the_server_sustains(tmp_path, toy_llama, toy_meta, caplog):
+    _write_questions(tmp_path, 4)
+    with StubServer("ok", delay_s=1.2) as stub:
+        cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=100.0, concurrency=4)
+        cfg.shared.progress_every_s = 0.2
+        with caplog.at_level(logging.INFO):
+            run_generate(cfg)
+    assert stub.scrapes >= 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "queue" in r.getMessage()]
+    assert warnings and "lower --concurrency to about 3" in warnings[0] and "100 s" in warnings[0]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Progress:")]
+    assert any("3 running / 7 waiting" in line for line in progress)
+
+
+def test_resume_repairs_torn_line_and_restores_missing_data_row(tmp_path, toy_llama, toy_meta):
+    ids = _write_questions(tmp_path, 3)
+    dd = DataDir(tmp_path)
+    done = Response(id=ids[0], messages=[], reasoning="r", content="c", finish_reason="stop", usage={},
+                    prompt_token_ids=[1, 2], completion_token_ids=[3, 4], server="x", latency_s=0.1)
+    dd.synthetic.mkdir(parents=True)
+    # a crash after the response line, before its data line, in the middle of the next response line
+    dd.responses.write_text(json.dumps(done.to_json()) + "\n" + '{"id": "q001", "messa')
+    with StubServer("ok") as stub:
+        summary = run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url]))
+        assert sum(stub.requests.values()) == 2  # q000 was not asked again
+    assert summary["skipped_finished"] == 1 and summary["finished"] == 2
+    rows = {r.id: r for r in load_training_rows(dd.synthetic_data)}
+    assert rows[ids[0]].input_ids == [1, 2, 3, 4] and rows[ids[0]].loss_mask == [0, 0, 1, 1]
+    assert sorted(r.id for r in load_responses(dd.responses)) == ids
+    assert check_synthetic(dd, ids).ok()

