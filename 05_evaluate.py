@@ -1,0 +1,23 @@
+#!/usr/bin/env python3
+"""Stage 05: acceptance length, per-position acceptance and tokens/s of the exported draft, measured in vLLM.
+
+Usage:
+    python 05_evaluate.py --config configs/demo.yaml
+    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts mtbench.jsonl --num-speculative-tokens 3
+    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts gsm8k.jsonl \
+        --eval-url http://gpu-box:8000 --baseline-url http://gpu-box:8001     # servers you started yourself
+Reads:  <data_dir>/checkpoints/final (or --draft DIR), the verifier folder, --prompts (held-out JSONL chats);
+        starts `vllm.entrypoints.openai.api_server` with --speculative-config (method eagle3) unless --eval-url,
+        and a second one without the draft for the baseline unless --no-baseline / --baseline-url.
+Writes: <data_dir>/eval/{report.json, report.md, acceptance.png}, logs/05_evaluate.log, logs/05_vllm_*.log.
+Acceptance length = 1 + accepted / drafts from vLLM's /metrics counters (mean tokens per verify step).
+All logic lives in eagle3pipe/evaluate.py.
+"""
+
+import sys
+
+from eagle3pipe.cli import run_stage
+from eagle3pipe.evaluate import run_evaluate
+
+if __name__ == "__main__":
+    sys.exit(run_stage("evaluate", "05_evaluate", run_evaluate, __doc__))

@@ -1,0 +1,124 @@
+"""The plan behind ``run_all.sh``: which stage scripts run, with which extra flags, and each one's config hash.
+
+``run_all.sh`` (bash, so it survives ``nohup`` and shows plain lines in ``tail -f``) asks this module for a plan::
+
+    python -m eagle3pipe.run_all plan --config FILE [--vllm-url URL]
+
+and gets one tab-separated line per stage: ``name  script  hash  marker  log  config  extra-flags``. A stage's hash covers
+the config sections it and every stage before it read, so changing an upstream setting re-runs everything after
+it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress_every_s``) is left out, so a demo
+server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
+written only after the stage exited 0.
+
+01b runs only when a vLLM URL is configured; without one it is skipped and 02/03 read ``prepared/``: the stages
+then get a resolved copy of the config with ``extract.input: prepared`` (``<data_dir>/run_all/resolved_config.yaml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, load_config
+from .records import DataDir, atomic_write_bytes
+
+# (stage name = log name, script glob, config section it adds)
+STAGES = [
+    ("01_prepare", "01_*.py", "prepare"),
+    ("01b_generate", "01b_*.py", "generate"),
+    ("02_extract", "02_*.py", "extract"),
+    ("03_vocab", "03_*.py", "vocab"),
+    ("04_train", "04_*.py", "train"),
+    ("05_evaluate", "05_*.py", "evaluate"),
+]
+HASH_EXCLUDED_SHARED = ("vllm_url", "progress_every_s")  # where, not what: do not redo work when these change
+
+
+def stage_hashes(cfg) -> dict[str, str]:
+    """Cumulative config hash per stage (see module docstring)."""
+    shared = dataclasses.asdict(cfg.shared)
+    for key in HASH_EXCLUDED_SHARED:
+        shared.pop(key)
+    payload: dict = {"shared": shared}
+    out = {}
+    for name, _, section in STAGES:
+        payload[section] = dataclasses.asdict(getattr(cfg, section))
+        out[name] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return out
+
+
+def find_script(repo: Path, pattern: str) -> Path:
+    # "01_*.py" must not match "01b_*.py": the name after the number starts with a letter in both, so filter.
+    number = pattern.split("_", 1)[0]
+    matches = sorted(p for p in repo.glob(pattern) if p.name.split("_", 1)[0] == number)
+    if len(matches) != 1:
+        raise ConfigError(f"expected one stage script matching {pattern} in {repo}, found {[m.name for m in matches]}")
+    return matches[0]
+
+
+def stage_log_name(script: Path) -> str:
+    """The log name the door passes to ``run_stage`` (a literal), else the script's stem (``02_extract`` uses
+    its module's STAGE constant, which equals its stem)."""
+    import re
+
+    m = re.search(r'run_stage\(\s*"[^"]+"\s*,\s*"([^"]+)"', script.read_text())
+    return m.group(1) if m else script.stem
+
+
+def plan(config_path: str, vllm_url: list[str], repo: Path) -> list[dict]:
+    overrides = {"shared": {"vllm_url": vllm_url}} if vllm_url else None
+    cfg = load_config(config_path, overrides)
+    has_server = bool(cfg.shared.vllm_url)
+    extra: dict[str, list[str]] = {name: [] for name, _, _ in STAGES}
+    dd = DataDir(cfg.data_dir)
+    stage_config = str(Path(config_path).resolve())
+    if not has_server and cfg.extract.input != "prepared":
+        # 01b is skipped, so 02 and 03 read stage 01's rows. Stages 03/04 have no --input flag: every stage gets
+        # a resolved copy of the config with extract.input = prepared (kept beside the markers, for the record).
+        cfg.extract.input = "prepared"
+        stage_config = str(dd.stage_marker("resolved_config").with_suffix(".yaml"))
+        Path(stage_config).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(stage_config), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    if vllm_url:
+        extra["01b_generate"] = ["--vllm-url", *vllm_url]
+    hashes = stage_hashes(cfg)
+    rows = []
+    for name, pattern, _ in STAGES:
+        if name == "01b_generate" and not has_server:
+            continue
+        script = find_script(repo, pattern)
+        rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),
+                     "log": str(dd.log_file(stage_log_name(script))), "extra": extra[name], "config": stage_config})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Print run_all.sh's stage plan (tab-separated).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("plan")
+    pp.add_argument("--config", required=True)
+    pp.add_argument("--vllm-url", nargs="+", default=[])
+    pp.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
+    sub.add_parser("data-dir").add_argument("--config", required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "data-dir":
+            print(load_config(args.config).shared.data_dir)
+            return 0
+        for row in plan(args.config, args.vllm_url, Path(args.repo)):
+            print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["log"], row["config"],
+                             " ".join(row["extra"])]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""run_all.sh: the stage plan and its hashes, skip-on-rerun markers, kill-and-restart, first failure stops the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3pipe.config import load_config
+from eagle3pipe.records import DataDir
+from eagle3pipe.run_all import STAGES, plan, stage_hashes
+from eagle3pipe.toy_reasoning import write_chat_datasets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path, verifier: Path, **sections) -> Path:
+    chats = tmp_path / "chats.jsonl"
+    if not chats.exists():
+        write_chat_datasets(chats, None, seed=0, size="ci", num_chats=40, num_eval=0)
+    cfg = {
+        "shared": {"data_dir": str(tmp_path / "data"), "verifier": str(verifier), "think_token_id": 1020,
+                   "response_token_id": 1021, "aux_layer_ids": [2, 4, 5], "hidden_size": 128, "vocab_size": 1088,
+                   "draft_vocab_size": 256, "max_seq_len": 1024, "progress_every_s": 1},
+        "prepare": {"dataset": [str(chats)]},
+        "extract": {"input": "synthetic", "device": "cpu", "model_dtype": "float32"},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_plan_skips_01b_without_url_and_hashes_cascade(tmp_path):
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    rows = plan(str(cfg_path), [], REPO)
+    assert [r["name"] for r in rows] == [n for n, _, _ in STAGES if n != "01b_generate"]
+    resolved = load_config(rows[0]["config"])  # every stage reads prepared/ (03 and 04 have no --input flag)
+    assert all(r["config"] == rows[0]["config"] for r in rows) and resolved.extract.input == "prepared"
+    assert resolved.to_dict() == {**load_config(cfg_path).to_dict(),
+                                  "extract": {**load_config(cfg_path).to_dict()["extract"], "input": "prepared"}}
+    with_url = plan(str(cfg_path), ["http://127.0.0.1:1"], REPO)
+    assert [r["name"] for r in with_url][:3] == ["01_prepare", "01b_generate", "02_extract"]
+    assert all(r["config"] == str(cfg_path.resolve()) for r in with_url)
+
+    base = load_config(cfg_path)
+    h0 = stage_hashes(base)
+    moved = load_config(cfg_path, {"shared": {"vllm_url": ["http://other:9"], "progress_every_s": 30.0}})
+    assert stage_hashes(moved) == h0  # where the server is does not change what a stage computes
+    train_changed = stage_hashes(load_config(cfg_path, {"train": {"epochs": 7}}))
+    assert [train_changed[n] == h0[n] for n, _, _ in STAGES] == [True, True, True, True, False, False]
+    prep_changed = stage_hashes(load_config(cfg_path, {"prepare": {"max_samples": 5}}))
+    assert all(prep_changed[n] != h0[n] for n, _, _ in STAGES)
+
+
+def _run_all(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "run_all.sh"), *args], capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.mark.integration
+def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama):
+    cfg_path = write_config(tmp_path, toy_llama)
+    dd = DataDir(tmp_path / "data")
+    extract_log = Path(next(r for r in plan(str(cfg_path), [], REPO) if r["name"] == "02_extract")["log"])
+    proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not extract_log.exists():  # stage 02 has parsed its config and started working
+            assert proc.poll() is None, "run_all.sh ended before stage 02 started"
+            assert time.monotonic() < deadline, "stage 02 did not start within 300 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # run_all.sh, the stage and tee, as a crash or `kill -9` would
+        proc.wait()
+    assert dd.stage_marker("01_prepare").read_text().strip()
+    assert not dd.stage_marker("02_extract").exists(), "stage 02 finished before the kill: nothing was tested"
+    prepared_mtime = dd.prepared_data.stat().st_mtime_ns
+
+    done = _run_all("--config", str(cfg_path), "--to", "02_extract")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "01_prepare: done before with this config" in done.stderr
+    assert "02_extract: running" in done.stderr and "02_extract: finished" in done.stderr
+    assert dd.prepared_data.stat().st_mtime_ns == prepared_mtime  # 01 not redone
+    assert dd.stage_marker("02_extract").is_file()
+    hs_files = list((dd.hidden_states).rglob("*.safetensors"))
+    assert len(hs_files) == 40  # one per prepared row
+
+    again = _run_all("--config", str(cfg_path), "--to", "02_extract")  # everything done: both skipped
+    assert again.returncode == 0 and again.stderr.count("done before with this config") == 2
+
+    forced = _run_all("--config", str(cfg_path), "--only", "02", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "02_extract: running" in forced.stderr and "01_prepare:" not in forced.stderr
+    assert dd.prepared_data.stat().st_mtime_ns == prepared_mtime
+
+
+@pytest.mark.integration
+def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama):
+    cfg_path = write_config(tmp_path, toy_llama, prepare={"dataset": [str(tmp_path / "no_such.jsonl")]})
+    dd = DataDir(tmp_path / "data")
+    res = _run_all("--config", str(cfg_path))
+    assert res.returncode != 0
+    assert f"FAILED at stage 01_prepare (exit status {res.returncode}); its log: {dd.log_file('01_prepare')}" \
+        in res.stderr
+    assert "02_extract: running" not in res.stderr
+    assert not dd.stage_marker("01_prepare").exists()
+    assert "no_such.jsonl" in (dd.logs / "run_all.log").read_text()  # the stage's own error is in the run log
+
+
+def test_unknown_stage_name_is_refused(tmp_path):
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    res = _run_all("--config", str(cfg_path), "--only", "07_deploy")
+    assert res.returncode == 2 and "no stage '07_deploy'" in res.stderr

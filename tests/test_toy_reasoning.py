@@ -1,0 +1,101 @@
+"""The toy reasoning verifier: task mix correctness and determinism, chat datasets, a short real training run."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from eagle3pipe.chat import load_tokenizer, normalize_messages
+from eagle3pipe.records import read_jsonl
+from eagle3pipe.toy_reasoning import build_reasoning_verifier, is_cached, write_chat_datasets
+from eagle3pipe.toy_tasks import TASK_KINDS, generate_tasks
+
+UNITS = {("kilometers", "meters"): 1000, ("meters", "centimeters"): 100, ("kilograms", "grams"): 1000,
+         ("hours", "minutes"): 60, ("minutes", "seconds"): 60, ("liters", "milliliters"): 1000, ("days", "hours"): 24}
+
+
+def independent_answer(kind: str, question: str) -> str:
+    """Recompute a task's result from its question text alone (no code shared with the generator)."""
+    nums = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", question)]
+    if kind in ("add", "subtract", "multiply"):
+        a, b = int(nums[0]), int(nums[1])
+        if kind == "subtract" and question.startswith("Subtract"):
+            a, b = b, a  # "Subtract B from A"
+        return str({"add": a + b, "subtract": a - b, "multiply": a * b}[kind])
+    if kind == "sort":
+        desc = "descending" in question or "largest to smallest" in question
+        return ", ".join(str(int(x)) for x in sorted(nums, reverse=desc))
+    if kind == "count":
+        m = re.search(r"letter '(\w)' appear in '(\w+)'|letter (\w) in the word (\w+)|many (\w)'s are in \"(\w+)\"",
+                      question)
+        letter, word = [g for g in m.groups() if g]
+        return str(word.count(letter))
+    value = nums[0]
+    for (big, small), factor in UNITS.items():
+        if re.search(rf"\b{big}\b.*\b{small}\b|\b{small}\b.*\b{big}\b", question):
+            src_first = question.index(big) < question.index(small) if big in question else False
+            # "Convert V SRC to DST", "How many DST are in V SRC?", "What is V SRC in DST?"
+            src = big if (question.startswith("How many") ^ src_first) else small
+            x = value * factor if src == big else value / factor
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+    raise AssertionError(question)
+
+
+def test_task_results_match_an_independent_computation():
+    tasks = generate_tasks(600, seed=7)
+    assert {t.kind for t in tasks} == set(TASK_KINDS)
+    for t in tasks:
+        assert t.result == independent_answer(t.kind, t.question), t
+        assert t.result in t.reasoning.splitlines()[-1]  # the working ends by stating the result
+        assert t.result in t.answer and t.result in t.human_answer
+
+
+def test_task_mix_is_deterministic_and_varied():
+    a, b = generate_tasks(200, seed=3), generate_tasks(200, seed=3)
+    assert a == b
+    assert a != generate_tasks(200, seed=4)
+    assert len({t.question.split()[0] for t in a if t.kind == "add"}) >= 3  # several phrasings per kind
+
+
+def test_chat_datasets_are_readable_and_held_out(tmp_path):
+    chats, prompts = tmp_path / "chats.jsonl", tmp_path / "eval.jsonl"
+    write_chat_datasets(chats, prompts, seed=0, size="ci", num_chats=300, num_eval=50)
+    chat_rows = list(read_jsonl(chats))
+    eval_rows = list(read_jsonl(prompts))
+    assert len(chat_rows) == 300 and len(eval_rows) == 50
+    for row in chat_rows:
+        msgs = normalize_messages(row)  # what stage 01 does with each row
+        assert [m["role"] for m in msgs] == ["user", "assistant"] and "<think>" not in msgs[1]["content"]
+    train_questions = {t.question for t in generate_tasks(3000, 0 + 1000)}
+    chat_questions = {r["messages"][0]["content"] for r in chat_rows}
+    for row in eval_rows:
+        q = row["messages"][0]["content"]
+        assert q not in train_questions and q not in chat_questions
+
+
+@pytest.mark.integration
+def test_short_training_learns_and_is_cached(tmp_path):
+    out = build_reasoning_verifier(tmp_path / "v", "ci", seed=0, steps=12,
+                                   recipe_overrides={"num_train_tasks": 200}, accuracy_questions=0)
+    meta = json.loads((out / "toy_reasoning.json").read_text())
+    assert meta["final_loss"] < meta["first_loss"] - 1.0  # 12 steps take the loss well below its start (~7)
+    toy = json.loads((out / "toy_verifier.json").read_text())
+    tok = load_tokenizer(out)
+    assert toy["think_token_id"] == tok.convert_tokens_to_ids("<think>") == 1020
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.config.head_dim >= 32 and model.config.vocab_size == 1088
+    on_disk = load_file(str(out / "model.safetensors"))
+    assert torch.equal(model.state_dict()["lm_head.weight"], on_disk["lm_head.weight"])
+    assert (out / "model.safetensors").stat().st_size < 16 * 2**20
+    # same recipe: reused, not retrained; another recipe is not a cache hit
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    build_reasoning_verifier(out, "ci", seed=0, steps=12, recipe_overrides={"num_train_tasks": 200},
+                             accuracy_questions=0)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not is_cached(out, "ci", 0)
