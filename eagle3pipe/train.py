@@ -341,7 +341,7 @@ def run_train(cfg: PipelineConfig) -> Path:
                                        "skipped_samples": int(batch.get("error_records", 0)), **row})
                     progress.set_fields(loss=f"{row['loss']:.3f}", **{
                         f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
-                        tok_s=f"{rate:.0f}")
+                        **{"tok/s": f"{rate:.0f}"})
                 progress.update(1)
                 if state.step % t.checkpoint_every == 0:
                     save(state)
