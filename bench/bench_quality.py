@@ -11,7 +11,7 @@ the real stages through ``run_all.sh`` and reports vLLM's acceptance length at k
 
 each for every ``--seeds`` value (``shared.seed``: sampling and training order). (c) and (d) link (b)'s
 prepared/synthetic (and, for (c), hidden_states/) folders instead of regenerating them. Results go to
-``<work>/results.json`` and a markdown table on stdout (copy it into bench/RESULTS_quality.md).
+``<work>/results.json`` and a markdown table on stdout (copy it into BENCHMARKS.md).
 
 Usage::
 

@@ -625,7 +625,7 @@ def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str 
     """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written.
 
     ``save_file`` writes straight from the tensors' memory; ``save`` + a bytes write copies every sample twice
-    in Python and ran at 0.64 GB/s per thread on the H200 machine (bench/RESULTS_extract.md)."""
+    in Python and ran at 0.64 GB/s per thread on the H200 machine (BENCHMARKS.md, stage 02)."""
     from safetensors.torch import save_file
 
     path = Path(path)
