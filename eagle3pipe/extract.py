@@ -216,7 +216,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     identity = output_identity(cfg, src)
     config_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     manifest = load_hs_manifest(dd.hs_manifest)
-    run_file = dd.hs_work / "run.json"
+    run_file = dd.hs_run
     previous = json.loads(run_file.read_text())["config_hash"] if run_file.exists() else None
     if manifest is not None:
         previous = manifest.config_hash

@@ -110,6 +110,11 @@ class DataDir:
     def hs_work(self) -> Path:
         return self.hidden_states / "work"
 
+    @property
+    def hs_run(self) -> Path:
+        """Config hash and input identity of the extraction in progress (resume refuses a different one)."""
+        return self.hs_work / "run.json"
+
     def hs_shard(self, shard: int) -> Path:
         return self.hs_work / f"shard_{shard}"
 
