@@ -40,6 +40,7 @@ class SharedConfig:
     seed: int = 0  # seed for every random choice the stages make
     progress_every_s: float = 30.0  # seconds between plain progress lines when no terminal is attached
     vllm_url: list[str] = field(default_factory=list)  # base URL(s) of vLLM servers, e.g. http://host:8000 (no /v1)
+    trust_remote_code: bool = True  # pass trust_remote_code to tokenizer/config loads and --trust-remote-code to servers we start (the real K2.5 tokenizer is remote code)
 
 
 @dataclass
@@ -60,8 +61,8 @@ class GenerateConfig:
     max_samples: int = 10000  # questions taken from questions.jsonl (the first N; a rerun resumes them); 0 = all
     max_completion_tokens: int = 8192  # cap on reasoning + answer tokens per request
     min_completion_tokens: int = 50  # completions shorter than this are kept in responses but left out of data
-    temperature: float = 0.6  # sampling temperature sent to the server
-    top_p: float = 0.95  # nucleus sampling sent to the server
+    temperature: float = 1.0  # sampling temperature sent to the server (Moonshot's K2.5 thinking-mode value)
+    top_p: float = 0.95  # nucleus sampling sent to the server (Moonshot's K2.5 thinking-mode value)
     include_truncated: bool = False  # also train on finish_reason length/abort/repetition records
     empty_reasoning_max_share: float = 0.05  # stop if more than this share of the first 100 have no reasoning
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
@@ -242,6 +243,13 @@ class PipelineConfig:
                 raise ConfigError(f"generate.request_extra_json is not valid JSON ({e.msg})") from None
             if not isinstance(extra, dict):
                 raise ConfigError("generate.request_extra_json must be a JSON object, e.g. '{\"top_k\": 20}'")
+            kwargs = extra.get("chat_template_kwargs", {})
+            if not isinstance(kwargs, dict):
+                raise ConfigError("generate.request_extra_json: chat_template_kwargs must be a JSON object")
+            if "thinking" in kwargs and kwargs["thinking"] != self.shared.thinking:
+                raise ConfigError(f"generate.request_extra_json sets chat_template_kwargs.thinking = "
+                                  f"{kwargs['thinking']} but shared.thinking is {self.shared.thinking}: set "
+                                  "--thinking/--no-thinking instead (every stage renders with it)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

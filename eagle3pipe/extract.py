@@ -204,7 +204,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
             raise FormatError(f"{src}: row id {r.id!r} appears on lines {seen[r.id] + 1} and {i + 1}")
         seen[r.id] = i
 
-    text_config, _ = load_text_config(sh.verifier)
+    text_config, _ = load_text_config(sh.verifier, sh.trust_remote_code)
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
     if hidden_size != sh.hidden_size:
         raise ConfigError(f"{sh.verifier}: hidden size {hidden_size} but shared.hidden_size is {sh.hidden_size}; "
@@ -258,7 +258,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
                 model_dtype=ex.model_dtype, storage_dtype=ex.storage_dtype, device=device, device_map=ex.device_map,
                 batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
                 max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
-                items=ordered[w :: len(devices)], cpu_threads=cpu_threads,
+                items=ordered[w :: len(devices)], cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
             ))
         t0 = time.monotonic()
         run_workers([j for j in jobs if j.items], dd.log_file(STAGE))

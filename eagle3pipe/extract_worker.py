@@ -51,6 +51,7 @@ class ShardJob:
     progress_every_s: float
     items: list[tuple[int, str, list[int]]]  # (position in input, row id, input_ids)
     cpu_threads: int = 0  # torch threads for a CPU worker; 0 = torch's default
+    trust_remote_code: bool = False  # shared.trust_remote_code, for the verifier's config load
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +201,8 @@ def _extract_shard(job: ShardJob) -> dict:
         device_map, device = {"": job.device}, None  # load straight onto the GPU, not through host memory
     else:
         device_map, device = None, job.device
-    model = load_text_model(job.verifier, getattr(torch, job.model_dtype), device=device, device_map=device_map)
+    model = load_text_model(job.verifier, getattr(torch, job.model_dtype), device=device, device_map=device_map,
+                            trust_remote_code=job.trust_remote_code)
     capture = AuxStateCapture(model, job.aux_layer_ids)
     device = _input_device(model)
     batches = make_batches(job.items, job.batch_tokens)

@@ -129,7 +129,7 @@ def run_generate(cfg: PipelineConfig) -> dict:
     if len(set(ids)) != len(ids):
         dup = collections.Counter(ids).most_common(1)[0][0]
         raise StageError(f"{dd.questions} holds id {dup!r} more than once; rerun stage 01")
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     special = resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     _prepare_output_dir(dd, cfg)
     resume = _resume(dd, {q.id: q.source for q in questions}, g.include_truncated)

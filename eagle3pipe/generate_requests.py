@@ -103,6 +103,19 @@ def parse_completion(body: dict) -> ParsedCompletion:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Sending questions
+
+
+def wire_messages(messages: list[dict]) -> list[dict]:
+    """Messages as the OpenAI API sends them: tool-call arguments as JSON strings (stage 01 keeps them parsed; vLLM
+    parses them back into the same object, key order included, before rendering)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,8 +177,13 @@ class Generator:
         self.previous_attempts = previous_attempts  # attempts spent on an id by earlier runs (errors.jsonl)
         self.responses_out, self.data_out, self.errors_out = responses_out, data_out, errors_out
         self.urls = [u.rstrip("/") for u in cfg.shared.vllm_url]
-        self.extra_body = {"return_token_ids": True, "chat_template_kwargs": {"thinking": cfg.shared.thinking},
-                           **(json.loads(self.g.request_extra_json) if self.g.request_extra_json else {})}
+        extra = json.loads(self.g.request_extra_json) if self.g.request_extra_json else {}
+        # spaces_between_special_tokens off: with a slow tokenizer (Kimi's) vLLM otherwise puts a space between
+        # <think> and the text after it, so the reasoning text would not be what the ids say. The user's
+        # chat_template_kwargs are merged with thinking (config validation refuses a conflicting one).
+        self.extra_body = {"return_token_ids": True, "spaces_between_special_tokens": False, **extra,
+                           "chat_template_kwargs": {**extra.get("chat_template_kwargs", {}),
+                                                    "thinking": cfg.shared.thinking}}
         self.in_flight = [0] * len(self.urls)
         self.stats = RunStats()
         self.guard_limit = 0
@@ -177,12 +195,14 @@ class Generator:
         low = min(self.in_flight)
         return random.choice([i for i, n in enumerate(self.in_flight) if n == low])
 
-    async def _ask(self, client, model: str, messages: list[dict]) -> dict:
+    async def _ask(self, client, model: str, q) -> dict:
         # with_raw_response: the openai client still sends, times out and raises typed errors, but the reply is
         # read as plain JSON. On a box shared with the server, building pydantic models for every reply costs
         # measurable server CPU, and the raw body keeps every field vLLM sent.
+        tools = {"tools": q.tools} if q.tools else {}  # needs a server with --enable-auto-tool-choice
         raw = await client.chat.completions.with_raw_response.create(
-            model=model, messages=messages, max_completion_tokens=self.g.max_completion_tokens,
+            model=model, messages=wire_messages(q.messages), **tools,
+            max_completion_tokens=self.g.max_completion_tokens,
             temperature=self.g.temperature, top_p=self.g.top_p, extra_body=self.extra_body,
             timeout=self.g.request_timeout_s,
         )
@@ -200,7 +220,7 @@ class Generator:
             self.in_flight[idx] += 1
             t0 = time.monotonic()
             try:
-                resp = await self._ask(clients[idx], model, q.messages)
+                resp = await self._ask(clients[idx], model, q)
             except openai.APITimeoutError:
                 kind, message, retry = "timeout", f"no reply within {self.g.request_timeout_s:g} s", True
             except openai.APIConnectionError as e:
@@ -237,7 +257,7 @@ class Generator:
         source = "server"
         prompt_ids, completion_ids = p.prompt_token_ids, p.completion_token_ids
         if prompt_ids is None:
-            prompt_ids = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking)
+            prompt_ids = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking, tools=q.tools)
         elif not self.prompt_checked:
             self._check_prompt_ids(q, prompt_ids)
         if completion_ids is None:
@@ -246,9 +266,12 @@ class Generator:
             # parser trims reasoning whitespace; BPE may re-merge), hence marked in the record.
             source = "rebuilt"
             completion_ids = rebuild_completion_ids(self.tokenizer, self.special, p.reasoning, p.content,
-                                                    finished=p.finish_reason == "stop")
+                                                    finished=p.finish_reason == "stop",
+                                                    thinking=self.cfg.shared.thinking)
             self.stats.rebuilt_ids += 1
         flags = []
+        if source == "rebuilt" and p.finish_reason == "tool_calls":
+            flags.append("unrebuildable")  # the server parsed the tool-call tokens out of the text: not rebuilt
         if p.finish_reason in TRUNCATED_FINISH_REASONS:
             flags.append(p.finish_reason)
         if not completion_ids:
@@ -301,7 +324,7 @@ class Generator:
     def _check_prompt_ids(self, q, server_prompt_ids: list[int]) -> None:
         """Once: the server's prompt ids should equal our rendering; a mismatch means another tokenizer/template."""
         self.prompt_checked = True
-        ours = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking)
+        ours = prompt_token_ids(self.tokenizer, q.messages, thinking=self.cfg.shared.thinking, tools=q.tools)
         if list(server_prompt_ids) != ours:
             at = next((i for i, (a, b) in enumerate(zip(ours, server_prompt_ids)) if a != b), min(len(ours),
                                                                                                len(server_prompt_ids)))

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .chat import ChatError, load_tokenizer, normalize_messages, question_messages, resolve_special_ids
-from .chat import tokenize_with_loss_mask
+from .chat import ChatError, load_tokenizer, normalize_messages, normalize_tools, question_messages
+from .chat import resolve_special_ids, tokenize_with_loss_mask
 from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def conversation_id(source: str, messages: list[dict]) -> str:
-    """Deterministic id: same source and conversation, same id, on every run and machine."""
-    payload = json.dumps([source, messages], ensure_ascii=False, sort_keys=True)
+def conversation_id(source: str, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Deterministic id: same source and conversation (and tools declared), same id, on every run and machine."""
+    payload = json.dumps([source, messages] + ([tools] if tools else []), ensure_ascii=False, sort_keys=True)
     return hashlib.sha1(payload.encode()).hexdigest()[:16]
 
 
@@ -49,21 +49,35 @@ def source_name(spec: str) -> str:
 
 
 def iter_dataset(spec: str, split: str) -> tuple[int | None, Iterator[tuple[int, dict | None, str]]]:
-    """(row count if known, iterator of (row number, row or None, reason if unreadable)) for one dataset spec."""
+    """(row count if known, iterator of (row number, row or None, reason if unreadable)) for one dataset spec.
+
+    Local JSON / JSON Lines files are read with ``json``, row by row, exactly as written: Arrow (``datasets``)
+    would unify the rows' nested structures and fill keys a row lacks with nulls, which changes tool schemas and
+    tool-call arguments, hence the rendered prompt. Parquet files, saved datasets and hub ids go through
+    ``datasets``."""
     import datasets
 
     path = Path(spec)
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise FileNotFoundError(f"dataset file not found: {spec} (from --dataset)")
+        if path.suffix == ".json":
+            try:
+                rows = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                return None, _iter_jsonl_lines(path)  # JSON Lines under a .json name
+            if not isinstance(rows, list):
+                raise StageError(f"{spec}: a .json dataset must hold a list of rows, got {type(rows).__name__}")
+            return len(rows), ((i, row, "") if isinstance(row, dict) else (i, None, "row is not a JSON object")
+                               for i, row in enumerate(rows))
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                total = sum(1 for line in f if line.strip())
+            return total, _iter_jsonl_lines(path)
         try:
             ds = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-        except Exception as e:  # mixed types or a broken line make Arrow refuse the whole file
-            if path.suffix != ".jsonl":
-                raise StageError(f"{spec}: datasets could not read it: {e}") from e
-            log.warning("%s: datasets could not read it as one table (%s); reading line by line", spec,
-                        str(e).splitlines()[0][:200])
-            return None, _iter_jsonl_lines(path)
+        except Exception as e:
+            raise StageError(f"{spec}: datasets could not read it: {e}") from e
     elif path.is_dir():
         ds = datasets.load_from_disk(str(path)) if (path / "dataset_info.json").exists() else \
             datasets.load_dataset(str(path), split=split)
@@ -104,7 +118,7 @@ def run_prepare(cfg: PipelineConfig) -> dict:
                 "pass --overwrite to rebuild it, or use another --data-dir"
             )
 
-    tokenizer = load_tokenizer(cfg.tokenizer_path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     thinking, max_len, cap = cfg.shared.thinking, cfg.shared.max_seq_len, cfg.prepare.max_samples
 
@@ -154,15 +168,16 @@ def _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len
         return f"malformed: {unreadable}", ""
     try:
         messages = normalize_messages(example)
+        tools = normalize_tools(example)
     except ChatError as e:
         return f"malformed: {e}", ""
-    row_id = conversation_id(source, messages)
+    row_id = conversation_id(source, messages, tools)
     if row_id in seen:
         return "duplicate conversation", row_id
     has_answer = any(m["role"] == "assistant" for m in messages)
     if has_answer:
         try:
-            input_ids, loss_mask = tokenize_with_loss_mask(tokenizer, messages, thinking=thinking)
+            input_ids, loss_mask = tokenize_with_loss_mask(tokenizer, messages, thinking=thinking, tools=tools)
         except ChatError as e:
             return f"unrenderable: {e}", row_id
         if len(input_ids) > max_len:
@@ -177,6 +192,6 @@ def _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len
     else:
         counts["question_only"] += 1
     seen.add(row_id)
-    questions.append(Question(id=row_id, messages=question_messages(messages), source=source).to_json())
+    questions.append(Question(id=row_id, messages=question_messages(messages), source=source, tools=tools).to_json())
     counts["questions"] += 1
     return "", row_id

@@ -361,23 +361,27 @@ class TrainingRow:
 
 @dataclass
 class Question:
-    """A prompt that stage 01b sends: the conversation up to (and including) its last user turn."""
+    """A prompt that stage 01b sends: the conversation up to (and including) its last user or tool turn."""
 
     id: str
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant"|"tool", "content": str | None, ...}, ...]
     source: str
+    tools: list[dict] | None = None  # OpenAI function tools the conversation declares (sent as the request's tools)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["tools"] is None:
+            del d["tools"]  # rows without tools keep the original record shape
+        return d
 
     @classmethod
     def from_json(cls, d: dict, where: str = "") -> "Question":
         try:
-            q = cls(id=d["id"], messages=d["messages"], source=d.get("source", ""))
+            q = cls(id=d["id"], messages=d["messages"], source=d.get("source", ""), tools=d.get("tools"))
         except KeyError as e:
             raise FormatError(f"{where}: question lacks field {e}") from None
-        if not q.messages or q.messages[-1].get("role") != "user":
-            raise FormatError(f"{where}: question {q.id} does not end with a user turn")
+        if not q.messages or q.messages[-1].get("role") not in ("user", "tool"):
+            raise FormatError(f"{where}: question {q.id} does not end with a user or tool turn")
         return q
 
 

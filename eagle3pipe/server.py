@@ -197,7 +197,8 @@ class VllmServer:
     def __init__(self, model_dir: str | Path, *, extra_args: list[str] | tuple[str, ...] = (),
                  served_model_name: str | None = None, port: int | None = None, log_file: str | Path | None = None,
                  python: str | None = None, kv_cache_gib: int = 1, enforce_eager: bool = True,
-                 startup_timeout_s: float = 900.0, env: dict[str, str] | None = None):
+                 startup_timeout_s: float = 900.0, env: dict[str, str] | None = None,
+                 trust_remote_code: bool = False):
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
@@ -208,6 +209,7 @@ class VllmServer:
         self.enforce_eager = enforce_eager
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}
+        self.trust_remote_code = trust_remote_code  # the model's own tokenizer/config code (Kimi-K2.5's tokenizer)
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None  # how long the last start took until ready
 
@@ -226,6 +228,8 @@ class VllmServer:
             cmd += ["--served-model-name", self.served_model_name]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
         return cmd + self.extra_args
 
     def start(self) -> "VllmServer":

@@ -74,6 +74,50 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
+# Kimi-K2.5's chat template semantics (REFERENCE.md, "Kimi-K2.5 chat template"), for the release-shaped toy
+# tokenizer. The messages up to and including the last assistant turn without tool calls are history: their
+# assistant turns render `<think></think>` + content; later assistant turns keep `<think>` reasoning `</think>`
+# (unless thinking is off); `preserve_thinking` keeps reasoning everywhere. Tool calls follow the content; tool
+# results are system turns named "tool"; a `tools` list is declared first as compact JSON; content may be a list
+# of text/image parts; a message's `name` replaces its role name. No default system turn.
+K25_CHAT_TEMPLATE = (
+    "{%- macro render_content(m) -%}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- elif m['content'] is not none -%}{%- for part in m['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set ns = namespace(last_plain=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}"
+    "{%- set ns.last_plain = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|im_system|>{{ m.get('name') or 'system' }}<|im_middle|>"
+    "{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>{{ m.get('name') or 'user' }}<|im_middle|>"
+    "{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ m.get('tool_call_id') }}"
+    "{{ '\\n' }}{{ render_content(m) }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ m.get('name') or 'assistant' }}<|im_middle|>"
+    "{%- if preserve_thinking or (loop.index0 > ns.last_plain and thinking is not false) -%}"
+    "<think>{{ m.get('reasoning') or m.get('reasoning_content') or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ render_content(m) }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in m['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
+    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
 BPE_VOCAB_SIZE = 1008  # BPE merges + bytes; specials follow, then padding rows up to MODEL_VOCAB_SIZE
 MODEL_VOCAB_SIZE = 1088  # model vocab > tokenizer size, like K2.5 (163840 rows, fewer real tokens)
 
@@ -121,6 +165,87 @@ def build_tokenizer(out_dir: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
+
+
+# The release-shaped tokenizer (kimi_k25 flavour): laid out like Kimi-K2.5's, whose BPE has 163584 ranks followed by
+# a reserved block of 256 special tokens. Named specials sit at the release's offsets into that block ([BOS] 163584 =
+# +0, <|im_end|> 163586 = +2, <think> 163606 = +22, </think> 163607 = +23, [PAD] 163839 = +255, ...).
+KIMI_BPE_RANKS = 1024  # the toy's BPE ranks (256 bytes + 768 merges); its specials start here
+KIMI_VOCAB_SIZE = KIMI_BPE_RANKS + 256  # = model vocab rows, as in the release (163584 + 256 = 163840)
+KIMI_SPECIAL_OFFSETS = {
+    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4, "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11, "<|tool_calls_section_end|>": 12, "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14, "<|tool_call_end|>": 15, "<|im_middle|>": 17, "<|media_begin|>": 18,
+    "<|media_content|>": 19, "<|media_end|>": 20, "<|media_pad|>": 21, "<think>": 22, "</think>": 23, "[PAD]": 255,
+}
+KIMI_TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "chat_template.jinja")
+
+
+def _kimi_corpus() -> list[str]:
+    """The toy corpus plus what Kimi's pre-tokenizer treats specially: camelCase code, digit runs, CJK text."""
+    code = [
+        "def getHiddenStates(self, inputIds): return self.modelOutputs[layerIndex]",
+        "const userName = getUserName(requestId); let maxSeqLen = 4096;",
+        "class TokenizerConfig: vocabSize = 163840; numLayers = 61; hiddenSize = 7168",
+        "for (int layerIdx = 0; layerIdx < numLayers; layerIdx++) { hiddenStates[layerIdx] = applyNorm(x); }",
+        'tool_call = {"name": "getWeather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    ]
+    cjk = ["你好，世界！今天天气很好。", "你好abc 你好world 数字42", "我们用中文回答这个问题，然后检查答案。",
+           "模型 训练 数据 推理 思考 步骤 结果", "这是一个测试句子。第二个句子在这里。", "计算 12345 加 678 等于 13023"]
+    lines = _corpus()
+    for i in range(80):
+        lines += [f"{c} # {i * 7919 % 100003}" for c in code]
+        lines += [f"{c}{i}" for c in cjk]
+    return lines
+
+
+def _train_byte_bpe_ranks(corpus: list[str], num_ranks: int) -> dict[bytes, int]:
+    """Byte-level BPE learned with HF tokenizers, as tiktoken ranks: the 256 bytes (rank = byte value), then each
+    merged token in merge order. tiktoken merges by the rank of the joined bytes, which this order makes reachable."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=num_ranks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in json.loads(tok.to_str())["model"]["merges"]:
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        ranks.setdefault(bytes(char_to_byte[c] for c in left + right), len(ranks))
+    if len(ranks) != num_ranks:
+        raise AssertionError(f"toy BPE learned {len(ranks)} ranks, wanted {num_ranks}: enlarge the corpus")
+    return ranks
+
+
+def build_kimi_tokenizer(out_dir: Path) -> None:
+    """The release's tokenizer layout: ``tiktoken.model`` (base64 token + rank per line), our remote-code
+    ``tokenization_kimi.py`` named in ``tokenizer_config.json``'s ``auto_map`` with all 256 reserved specials in
+    ``added_tokens_decoder``, ``chat_template.jinja`` with K2.5's semantics, and no ``tokenizer.json``."""
+    import base64
+    import shutil
+
+    out_dir = Path(out_dir)
+    ranks = _train_byte_bpe_ranks(_kimi_corpus(), KIMI_BPE_RANKS)
+    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda x: x[1])]
+    (out_dir / "tiktoken.model").write_text("".join(lines))
+    names = {KIMI_BPE_RANKS + off: name for name, off in KIMI_SPECIAL_OFFSETS.items()}
+    added = {str(i): {"content": names.get(i, f"<|reserved_token_{i}|>"), "lstrip": False, "normalized": False,
+                      "rstrip": False, "single_word": False, "special": True}
+             for i in range(KIMI_BPE_RANKS, KIMI_VOCAB_SIZE)}
+    config = {
+        "added_tokens_decoder": added,
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer",
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copyfile(Path(__file__).with_name("tokenization_kimi.py"), out_dir / "tokenization_kimi.py")
+    (out_dir / "chat_template.jinja").write_text(K25_CHAT_TEMPLATE)
 
 
 def _scale_init_(model: torch.nn.Module, seed: int) -> None:
@@ -172,18 +297,19 @@ def release_text_config_dict(text_cfg) -> dict:
     return d
 
 
-def text_config(flavour: str, num_layers: int = 8):
-    """The toy text config: tiny, but with head_dim >= 32 (vLLM CPU attention) and K2.5's MLA latent (512 + 64)."""
+def text_config(flavour: str, num_layers: int = 8, release_tokenizer: bool = False):
+    """The toy text config: tiny, but with head_dim >= 32 (vLLM CPU attention) and K2.5's MLA latent (512 + 64).
+    ``release_tokenizer``: sized for the release-shaped tokenizer (BPE ranks + 256 specials) instead of the fast one."""
     from transformers import DeepseekV3Config, LlamaConfig
 
-    common = dict(
-        vocab_size=MODEL_VOCAB_SIZE,
-        num_hidden_layers=num_layers,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=SPECIAL_TOKENS.index("[BOS]") + BPE_VOCAB_SIZE,
-        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + BPE_VOCAB_SIZE,
-    )
+    if release_tokenizer:
+        vocab, bos, eos = (KIMI_VOCAB_SIZE, KIMI_BPE_RANKS + KIMI_SPECIAL_OFFSETS["[BOS]"],
+                           KIMI_BPE_RANKS + KIMI_SPECIAL_OFFSETS["<|im_end|>"])
+    else:
+        vocab, bos, eos = (MODEL_VOCAB_SIZE, SPECIAL_TOKENS.index("[BOS]") + BPE_VOCAB_SIZE,
+                           SPECIAL_TOKENS.index("<|im_end|>") + BPE_VOCAB_SIZE)
+    common = dict(vocab_size=vocab, num_hidden_layers=num_layers, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=bos, eos_token_id=eos)
     if flavour == "llama":
         return LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=32, rope_theta=10000.0, max_position_embeddings=4096, **common)
@@ -225,9 +351,13 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
         raise ValueError(f"unknown toy flavour {flavour!r} (choose from {', '.join(FLAVOURS)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    release_tokenizer = flavour == "kimi_k25"  # the release-shaped toy has the release's tokenizer layout too
+    if release_tokenizer:
+        build_kimi_tokenizer(out)
+    else:
+        build_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = text_config("llama" if flavour == "llama" else "deepseek_v3", num_layers)
+    cfg = text_config("llama" if flavour == "llama" else "deepseek_v3", num_layers, release_tokenizer)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _scale_init_(model, seed)
     model = model.to(getattr(torch, dtype))
@@ -252,6 +382,7 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
         "response_token_id": _token_id(out, "</think>"),
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
+        "trust_remote_code": release_tokenizer,  # its tokenizer is remote code, like the release's
     }
     (out / "toy_verifier.json").write_text(json.dumps(meta, indent=2) + "\n")
     log.info("toy verifier (%s) written to %s", flavour, out)
@@ -259,11 +390,14 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
 
 
 def _token_id(folder: Path, token: str) -> int:
-    vocab = json.loads((folder / "tokenizer.json").read_text())
-    for added in vocab["added_tokens"]:
-        if added["content"] == token:
-            return added["id"]
-    raise KeyError(token)
+    """Id of a special token, read from the tokenizer files (tokenizer.json, or tokenizer_config.json's
+    added_tokens_decoder for the release-shaped tokenizer)."""
+    if (folder / "tokenizer.json").exists():
+        added = {a["content"]: a["id"] for a in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]}
+    else:
+        decoder = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+        added = {a["content"]: int(i) for i, a in decoder.items()}
+    return added[token]
 
 
 def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: str, save_file) -> None:
@@ -308,7 +442,7 @@ def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: st
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     text_dict = release_text_config_dict(text_cfg)
-    text_dict["model_type"] = "deepseek_v3"
+    text_dict["model_type"] = "kimi_k2"  # as released (transformers' and vLLM's K2.5 configs map it to DeepseekV3)
     text_dict["architectures"] = ["DeepseekV3ForCausalLM"]
     vision_dict = {
         "model_type": "kimi_k25_vision", "patch_size": patch, "num_attention_heads": 2, "num_hidden_layers": 1,

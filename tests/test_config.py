@@ -19,6 +19,21 @@ def test_kimi_k25_yaml_holds_the_issue_defaults():
     assert (s.hidden_size, s.vocab_size, s.draft_vocab_size, s.max_seq_len) == (7168, 163840, 32000, 16384)
     assert (g.concurrency, g.request_timeout_s, g.max_completion_tokens, g.max_samples, g.min_completion_tokens) == (
         128, 1800.0, 8192, 10000, 50)
+    assert (g.temperature, g.top_p) == (1.0, 0.95)  # Moonshot's thinking-mode sampling (0.6 is instant mode)
+    assert s.trust_remote_code is True and s.thinking is True  # the release's tokenizer is remote code
+
+
+def test_user_chat_template_kwargs_merge_with_thinking():
+    from eagle3pipe.generate_requests import Generator
+
+    cfg = load_config(overrides={"shared": {"vllm_url": ["http://a:1"], "verifier": "v"},
+                                 "generate": {"request_extra_json": '{"chat_template_kwargs": {"x": 1}, "top_k": 5}'}})
+    cfg.validate("generate")
+    body = Generator(cfg, None, None, {}, None, None, None, None).extra_body
+    assert body["chat_template_kwargs"] == {"x": 1, "thinking": True} and body["top_k"] == 5
+    cfg.generate.request_extra_json = '{"chat_template_kwargs": {"thinking": false}}'
+    with pytest.raises(ConfigError, match="--thinking/--no-thinking"):
+        cfg.validate("generate")
 
 
 def test_demo_yaml_loads():

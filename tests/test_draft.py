@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3pipe import draft
+from eagle3pipe.toy import KIMI_VOCAB_SIZE
 from tests.test_draft_fixtures import (
     DRAFT_HEAD_DIM,
     DRAFT_HEADS,
@@ -168,7 +169,7 @@ def test_rebuilt_map_remaps_lm_head_rows(tmp_path, toy_llama):
 
 
 def test_kimi_k25_verifier_weights_come_from_nested_layout(tmp_path, toy_kimi):
-    src = make_flat_checkpoint(tmp_path / "aq", seed=6)
+    src = make_flat_checkpoint(tmp_path / "aq", seed=6, vocab_size=KIMI_VOCAB_SIZE)
     model, ck, _ = _load(src, toy_kimi)
     file = load_file(str(toy_kimi / "model.safetensors"))
     assert torch.equal(model.embed_tokens.weight.to(torch.bfloat16), file["language_model.model.embed_tokens.weight"])

@@ -43,14 +43,16 @@ def map_from_targets(targets: list[int], vocab_size: int = TOY_VOCAB) -> tuple[t
 
 
 def make_flat_checkpoint(folder: Path, targets: list[int] | None = None, seed: int = 0,
-                         aux_layer_ids: list[int] | None = None, dtype=torch.bfloat16) -> Path:
-    """An AQ-MedAI / SpecForge-format draft (LlamaForCausalLMEagle3, midlayer.*, no embedding) at tiny dims."""
+                         aux_layer_ids: list[int] | None = None, dtype=torch.bfloat16,
+                         vocab_size: int = TOY_VOCAB) -> Path:
+    """An AQ-MedAI / SpecForge-format draft (LlamaForCausalLMEagle3, midlayer.*, no embedding) at tiny dims, for a
+    verifier of ``vocab_size`` (the fast-tokenizer toys'; the release-shaped kimi_k25 toy has more rows)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     h, n = TOY_HIDDEN, DRAFT_VOCAB
     targets = targets if targets is not None else list(range(0, 2 * n, 2))
-    d2t, t2d = map_from_targets(targets)
+    d2t, t2d = map_from_targets(targets, vocab_size)
 
     def mat(rows: int, cols: int) -> torch.Tensor:  # scaled so each part of the layer moves the output visibly
         return (torch.randn(rows, cols, generator=g) / cols**0.5).to(dtype)
@@ -94,7 +96,7 @@ def make_flat_checkpoint(folder: Path, targets: list[int] | None = None, seed: i
         "rope_scaling": None,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "vocab_size": TOY_VOCAB,
+        "vocab_size": vocab_size,
         "draft_vocab_size": n,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids or TOY_AUX, "use_aux_hidden_state": True},
     }

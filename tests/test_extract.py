@@ -98,7 +98,7 @@ def test_capture_is_state_entering_layer_and_final_is_pre_norm(flavour, request)
     torch.testing.assert_close(model.norm(states[:, :, -1]), hf.hidden_states[-1], rtol=1e-5, atol=1e-5)
 
 
-def test_kimi_k25_wrapped_checkpoint_loads_text_model_exactly(toy_kimi, toy_deepseek, monkeypatch):
+def test_kimi_k25_wrapped_checkpoint_loads_text_model_exactly(toy_kimi, monkeypatch):
     model = load_text_model(toy_kimi, torch.bfloat16)
     assert type(model).__name__ == "DeepseekV3Model" and not hasattr(model, "lm_head")  # lm_head never built
     params = dict(model.state_dict())
@@ -116,10 +116,6 @@ def test_kimi_k25_wrapped_checkpoint_loads_text_model_exactly(toy_kimi, toy_deep
     for name, tensor in expected.items():
         assert torch.equal(params.pop(name), tensor), name
     assert not [k for k in params if not k.endswith("e_score_correction_bias")], f"not from the file: {params}"
-    # same text weights as the plain toy of the same seed: same states
-    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(2))
-    plain = load_text_model(toy_deepseek, torch.bfloat16)
-    torch.testing.assert_close(AuxStateCapture(model, AUX)(ids), AuxStateCapture(plain, AUX)(ids), rtol=0, atol=0)
     # without the language_model.* key mapping the weights would stay random: the loader refuses
     monkeypatch.setattr(verifier_mod, "WRAPPED_KEY_MAPPING", {})
     with pytest.raises(verifier_mod.VerifierLoadError, match="not found in the checkpoint"):

@@ -9,7 +9,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from eagle3pipe.chat import load_tokenizer, normalize_messages, tokenize_with_loss_mask
+from eagle3pipe.chat import load_tokenizer, normalize_messages, normalize_tools, question_messages
+from eagle3pipe.chat import tokenize_with_loss_mask
 from eagle3pipe.cli import StageError
 from eagle3pipe.config import load_config
 from eagle3pipe.prepare import conversation_id, run_prepare
@@ -150,3 +151,37 @@ def test_missing_dataset_and_wrong_think_id_are_one_line_errors(tmp_path, toy_ll
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: config shared.think_token_id = 163606 but the tokenizer maps '<think>' to")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_release_shaped_toy_through_the_cli(tmp_path, toy_kimi, toy_kimi_meta, thinking):
+    """Stage 01 on a folder laid out like the Kimi-K2.5 release (tiktoken.model + remote-code tokenizer, K2.5
+    template): the masks decode to exactly what the assistant generates in each turn: multi-turn, tool calls, a
+    conversation the assistant opens; tools and tool turns reach the questions 01b sends."""
+    from test_chat import ASSISTANT_FIRST_ROW, TOOL_ROW, generated_text
+
+    src = tmp_path / "chats.jsonl"
+    rows = {"openai": OPENAI_ROW, "tools": TOOL_ROW, "first": ASSISTANT_FIRST_ROW, "sharegpt": SHAREGPT_ROW}
+    src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
+    args = ["--verifier", toy_kimi, "--think-token-id", toy_kimi_meta["think_token_id"], "--response-token-id",
+            toy_kimi_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-seq-len", 1024,
+            "--thinking" if thinking else "--no-thinking"]
+    r = _run_script(*args, "--no-trust-remote-code")
+    assert r.returncode == 2 and "trust_remote_code: true" in r.stderr.strip().splitlines()[-1]
+    r = _run_script(*args)  # shared.trust_remote_code defaults to true, as the release needs
+    assert r.returncode == 0, r.stderr[-2000:]
+    dd = DataDir(tmp_path / "d")
+    assert list(read_jsonl(dd.prepared_errors)) == []
+    tok = load_tokenizer(toy_kimi, trust_remote_code=True)
+    prepared = {row.id: row for row in load_training_rows(dd.prepared_data)}
+    questions = {q.id: q for q in load_questions(dd.questions)}
+    assert len(prepared) == len(questions) == len(rows)
+    for row in rows.values():
+        messages, tools = normalize_messages(row), normalize_tools(row)
+        rid = conversation_id("chats", messages, tools)
+        answers = [generated_text(m, thinking) for m in messages if m["role"] == "assistant"]
+        assert [tok.decode(run) for run in masked_runs(prepared[rid].input_ids, prepared[rid].loss_mask)] == answers
+        assert questions[rid].tools == tools
+        assert questions[rid].messages == question_messages(messages)
+    tool_q = questions[conversation_id("chats", normalize_messages(TOOL_ROW), normalize_tools(TOOL_ROW))]
+    assert [m["role"] for m in tool_q.messages] == ["system", "user", "assistant", "tool", "tool"]

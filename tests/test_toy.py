@@ -4,11 +4,12 @@ import hashlib
 import json
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3ForCausalLM
 
 from eagle3pipe.chat import load_tokenizer
 from eagle3pipe.toy import SPECIAL_TOKENS, build_toy_verifier
+from eagle3pipe.verifier import load_text_config
 
 
 def _digest(folder):
@@ -48,22 +49,25 @@ def test_flavours_load_and_run(toy_llama, toy_deepseek):
     assert cfg.kv_lora_rank == 512 and cfg.qk_rope_head_dim == 64 and cfg.n_routed_experts > 1
 
 
-def test_kimi_k25_layout_nested_config_and_language_model_weights(toy_kimi, toy_deepseek):
+def test_kimi_k25_layout_nested_config_and_language_model_weights(toy_kimi, toy_deepseek, tmp_path):
     raw = json.loads((toy_kimi / "config.json").read_text())
     assert raw["architectures"] == ["KimiK25ForConditionalGeneration"] and raw["model_type"] == "kimi_k25"
-    cfg = AutoConfig.from_pretrained(toy_kimi)
-    assert cfg.text_config.model_type == "deepseek_v3"
+    assert raw["text_config"]["model_type"] == "kimi_k2"  # as released; read as DeepseekV3 (verifier.py's shim)
+    text_cfg, wrapped = load_text_config(toy_kimi)
+    assert wrapped and type(text_cfg).__name__ == "DeepseekV3Config" and text_cfg.model_type == "deepseek_v3"
     tensors = load_file(toy_kimi / "model.safetensors")
     assert "language_model.model.embed_tokens.weight" in tensors and "language_model.lm_head.weight" in tensors
-    # The released per-expert layout, wrapped: same keys and bytes as the plain DeepseekV3 flavour (same seed).
-    plain = load_file(toy_deepseek / "model.safetensors")
-    assert set(plain) == {k[len("language_model."):] for k in tensors if k.startswith("language_model.")}
-    for k, v in plain.items():
-        assert torch.equal(tensors["language_model." + k], v), k
-    # The text model loads exactly from the nested layout (not left randomly initialised with a warning).
-    model = DeepseekV3ForCausalLM.from_pretrained(toy_kimi, config=cfg.text_config,
+    # The released per-expert layout, wrapped: the same keys as the plain DeepseekV3 flavour writes.
+    text = {k[len("language_model."):]: v for k, v in tensors.items() if k.startswith("language_model.")}
+    assert set(load_file(toy_deepseek / "model.safetensors")) == set(text)
+    # The text model loads exactly from the nested layout (not left randomly initialised with a warning): the
+    # reference is the same tensors unwrapped into a plain DeepseekV3 folder, loaded the plain way.
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    save_file(text, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
+    text_cfg.save_pretrained(plain_dir)
+    model = DeepseekV3ForCausalLM.from_pretrained(toy_kimi, config=text_cfg,
                                                   key_mapping={"^language_model\\.": ""})
-    reference = DeepseekV3ForCausalLM.from_pretrained(toy_deepseek)
-    ref_sd = reference.state_dict()
+    ref_sd = DeepseekV3ForCausalLM.from_pretrained(plain_dir).state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref_sd[k]), k

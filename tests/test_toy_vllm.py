@@ -35,7 +35,7 @@ def toy_k25_fp32(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k25_fp32_server(toy_k25_fp32, tmp_path_factory):
     server = start_vllm_server(toy_k25_fp32, tmp_path_factory.mktemp("vllm_k25_fp32"),
-                               ["--dtype", "float32", "--max-model-len", "512"])
+                               ["--dtype", "float32", "--max-model-len", "512"], trust_remote_code=True)
     yield server
     server.stop()
 
@@ -44,7 +44,7 @@ def _prompts(model_dir) -> list[list[int]]:
     """A chat rendered with the toy's K2.5 template (special tokens, <think>) and a seeded run of BPE ids."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)  # the release's tokenizer layout
     messages = [{"role": "system", "content": "You are a careful assistant."},
                 {"role": "user", "content": "What is 37 + 58? Then sort [9, 2, 5] and explain why."}]
     chat = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -131,5 +131,7 @@ def test_deepseek_v3_flavour_config_has_the_release_fields_vllm_reads(toy_deepse
     assert plain["rope_scaling"] == text["rope_scaling"] and plain["rope_scaling"]["type"] == "yarn"
     assert plain["rope_theta"] == text["rope_theta"] and plain["max_position_embeddings"] == 262144
     assert "rope_parameters" not in plain  # written in the release's legacy keys, read back by both engines
-    ignored = {"architectures", "dtype", "model_type", "transformers_version"}
+    # the tokenizer layouts differ (fast toy vs release-shaped): vocabulary size and special ids
+    ignored = {"architectures", "dtype", "model_type", "transformers_version", "vocab_size", "bos_token_id",
+               "eos_token_id"}
     assert {k: v for k, v in plain.items() if k not in ignored} == {k: v for k, v in text.items() if k not in ignored}

@@ -28,11 +28,18 @@ def toy_deepseek(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def toy_kimi(tmp_path_factory) -> Path:
-    """Toy DeepseekV3 wrapped like Kimi-K2.5 (nested text_config, language_model.* weights)."""
+    """Toy DeepseekV3 wrapped like Kimi-K2.5 (nested text_config, language_model.* weights) with the release's
+    tokenizer layout (tiktoken.model + remote-code tokenizer: load with trust_remote_code)."""
     return _toy(tmp_path_factory, "kimi_k25")
 
 
 @pytest.fixture(scope="session")
 def toy_meta(toy_llama) -> dict:
-    """toy_verifier.json of the toy: token ids, aux layer ids, sizes (same tokenizer for every flavour)."""
+    """toy_verifier.json of the fast-tokenizer toys (llama, deepseek_v3): token ids, aux layer ids, sizes."""
     return json.loads((toy_llama / "toy_verifier.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def toy_kimi_meta(toy_kimi) -> dict:
+    """toy_verifier.json of the release-shaped kimi_k25 toy (its own tokenizer layout: other special ids)."""
+    return json.loads((toy_kimi / "toy_verifier.json").read_text())
