@@ -73,6 +73,16 @@ class GenerateConfig:
 @dataclass
 class ExtractConfig:
     input: str = "synthetic"  # which rows to extract: "synthetic" (01b output) or "prepared" (01 output)
+    backend: str = "transformers"  # "transformers" (the model in this process: small verifiers, the exact reference) or "vllm" (vLLM servers: K2.5's int4 kernels, TP in a node, a URL per node)
+    extract_url: list[str] = field(default_factory=list)  # vllm: running extraction servers (repeatable, data parallel); empty = start one
+    server_args: str = ""  # vllm: extra flags for the server this stage starts, e.g. "--tensor-parallel-size 8"
+    server_start_timeout_s: float = 3600.0  # vllm: seconds to wait for a started server (K2.5 loads for tens of minutes)
+    concurrency: int = 32  # vllm: requests in flight over all servers
+    request_timeout_s: float = 600.0  # vllm: per-request client timeout, seconds
+    max_retries: int = 3  # vllm: retries after a timeout, connection error, 5xx or a file that fails its check
+    retry_backoff_s: float = 2.0  # vllm: wait before the first retry, seconds; doubled per retry
+    verify_tokens: int = 2048  # vllm: tokens of the first samples whose next-token top-1 from the stored final state is checked against the server's prompt_logprobs before the bulk run; 0 = off
+    verify_min_agreement: float = 0.99  # vllm: stop before the bulk run when that top-1 agreement is lower
     storage_dtype: str = "bf16"  # "bf16" (model dtype) or "fp8" (e4m3 values + per-token scale)
     batch_tokens: int = 16384  # padded tokens per forward batch (samples sorted by length)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
@@ -193,6 +203,7 @@ class PipelineConfig:
                 raise ConfigError(f"extract.device_map must be '' or 'auto', got {self.extract.device_map!r}")
             if self.extract.num_workers < 0 or self.extract.writer_threads < 1 or self.extract.batch_tokens < 1:
                 raise ConfigError("extract.num_workers must be >= 0, extract.writer_threads and batch_tokens >= 1")
+            self._validate_extract_backend()
         if stage == "train":
             t = self.train
             if t.export_format not in ("eagle3", "speculators"):
@@ -214,6 +225,23 @@ class PipelineConfig:
             if not ev.eval_url and not s.verifier:
                 raise ConfigError("shared.verifier is empty: pass --verifier DIR (or --eval-url of a running server)")
 
+
+    def _validate_extract_backend(self) -> None:
+        ex = self.extract
+        if ex.backend not in ("transformers", "vllm"):
+            raise ConfigError(f"extract.backend must be 'transformers' or 'vllm', got {ex.backend!r}")
+        if ex.backend == "transformers" and (ex.extract_url or ex.server_args):
+            raise ConfigError("extract.extract_url / extract.server_args are for extract.backend: vllm "
+                              "(pass --backend vllm)")
+        for url in ex.extract_url:
+            if not url.startswith(("http://", "https://")) or url.rstrip("/").endswith("/v1"):
+                raise ConfigError(f"extract.extract_url {url!r}: give the server root without /v1, e.g. http://HOST:8000")
+        if ex.concurrency < 1 or ex.max_retries < 0 or ex.verify_tokens < 0:
+            raise ConfigError("extract.concurrency must be >= 1, extract.max_retries and verify_tokens >= 0")
+        if ex.request_timeout_s <= 0 or ex.retry_backoff_s <= 0 or ex.server_start_timeout_s <= 0:
+            raise ConfigError("extract.request_timeout_s, retry_backoff_s and server_start_timeout_s must be > 0")
+        if not 0.0 <= ex.verify_min_agreement <= 1.0:
+            raise ConfigError(f"extract.verify_min_agreement must be in [0, 1], got {ex.verify_min_agreement}")
 
     def _validate_generate(self) -> None:
         g = self.generate

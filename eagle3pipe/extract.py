@@ -44,7 +44,8 @@ from .records import (
     write_jsonl_atomic,
     write_provenance,
 )
-from .verifier import load_text_config, state_names
+from .extract_vllm import extract_with_vllm
+from .verifier import load_text_config, state_names, verifier_load_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def output_identity(cfg: PipelineConfig, input_file: Path) -> dict:
         "aux_layer_ids": list(cfg.shared.aux_layer_ids),
         "model_dtype": cfg.extract.model_dtype,
         "storage_dtype": cfg.extract.storage_dtype,
+        "backend": cfg.extract.backend,  # another engine computes (slightly) other states
         "input": str(input_file.resolve()),
         "input_sha256": _file_sha256(input_file),
     }
@@ -144,6 +146,48 @@ def run_workers(jobs: list[ShardJob], log_file: Path) -> None:
     failed = [(job.shard, p.exitcode) for job, p in zip(jobs, procs) if p.exitcode != 0]
     if failed:
         raise StageError(f"extract workers failed (shard, exit code): {failed}; see the log; a rerun resumes")
+
+
+def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: int, todo: list) -> None:
+    """The transformers backend: worker processes (one per GPU, or one whose model spans all GPUs) run the model
+    here, each on its own shard of the samples."""
+    ex, sh = cfg.extract, cfg.shared
+    devices = resolve_workers(cfg)
+    if devices[0].startswith("cuda"):
+        preflight_gpu_memory(verifier_load_bytes(sh.verifier, ex.model_dtype, sh.trust_remote_code),
+                             gpu_memory_bytes(devices, ex.device_map), sh.verifier, ex.model_dtype)
+    # interleave the length-sorted samples so every shard gets the same mix of lengths
+    ordered = sorted(todo, key=lambda it: -len(it[2]))
+    cpu_threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else 0
+    jobs = []
+    for w, device in enumerate(devices):
+        # a new shard number per worker of this run, so a rerun with another worker count never mixes journals
+        jobs.append(ShardJob(
+            shard=first_shard + w, data_dir=str(dd.root), verifier=sh.verifier, aux_layer_ids=list(sh.aux_layer_ids),
+            model_dtype=ex.model_dtype, storage_dtype=ex.storage_dtype, device=device, device_map=ex.device_map,
+            batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
+            max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
+            items=ordered[w :: len(devices)], cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
+        ))
+    run_workers([j for j in jobs if j.items], dd.log_file(STAGE))
+
+
+def gpu_memory_bytes(devices: list[str], device_map: str) -> int:
+    """GPU memory one copy of the verifier may use: one GPU per worker, or all of them with ``--device-map auto``."""
+    if device_map == "auto":
+        return sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return torch.cuda.get_device_properties(torch.device(devices[0])).total_memory
+
+
+def preflight_gpu_memory(need: int, have: int, verifier: str, model_dtype: str) -> None:
+    """Refuse before loading a verifier the GPU memory cannot hold (transformers decompresses int4 on load)."""
+    log.info("GPU memory preflight: the verifier's decoder takes %.1f GB in %s as transformers loads it; %.1f GB "
+             "of GPU memory per copy", need / 1e9, model_dtype, have / 1e9)
+    if need > have:
+        raise StageError(
+            f"{verifier}: the decoder takes {need / 1e9:.1f} GB in {model_dtype} as transformers loads it (int4 "
+            f"experts are decompressed on load) but one copy may use {have / 1e9:.1f} GB of GPU memory: use "
+            "extract.backend: vllm (--backend vllm: vLLM's int4 kernels, tensor parallel over the node's GPUs)")
 
 
 def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
@@ -244,27 +288,15 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
              len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
     if todo:
         preflight_disk(dd, todo_tokens, num_states, hidden_size, ex.storage_dtype, ex.force_disk)
-        devices = resolve_workers(cfg)
-        # interleave the length-sorted samples so every shard gets the same mix of lengths
-        ordered = sorted(todo, key=lambda it: -len(it[2]))
-        cpu_threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else 0
-        existing = {int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")}
-        jobs = []
-        for w, device in enumerate(devices):
-            # a new shard number per worker of this run, so a rerun with another worker count never mixes journals
-            shard = max(existing | {-1}) + 1 + w
-            jobs.append(ShardJob(
-                shard=shard, data_dir=str(dd.root), verifier=sh.verifier, aux_layer_ids=list(sh.aux_layer_ids),
-                model_dtype=ex.model_dtype, storage_dtype=ex.storage_dtype, device=device, device_map=ex.device_map,
-                batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
-                max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
-                items=ordered[w :: len(devices)], cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
-            ))
+        shard = max({int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")} | {-1}) + 1
         t0 = time.monotonic()
-        run_workers([j for j in jobs if j.items], dd.log_file(STAGE))
+        if ex.backend == "vllm":
+            extract_with_vllm(cfg, dd, shard, todo, num_layers, hidden_size, max(len(r.input_ids) for r in rows))
+        else:
+            _extract_with_transformers(cfg, dd, shard, todo)
         elapsed = time.monotonic() - t0
-        log.info("extracted %d samples / %d tokens in %s (%.0f tok/s) with %d worker(s)", len(todo), todo_tokens,
-                 format_duration(elapsed), todo_tokens / max(elapsed, 1e-9), len(jobs))
+        log.info("extracted %d samples / %d tokens in %s (%.0f tok/s), %s backend", len(todo), todo_tokens,
+                 format_duration(elapsed), todo_tokens / max(elapsed, 1e-9), ex.backend)
     manifest = finalize(dd, rows, identity, cfg, num_layers, hidden_size, config_hash)
     write_provenance(dd.provenance(dd.hidden_states), stage="extract", config_hash=config_hash,
                      config=cfg.to_dict(), inputs=[str(src), identity["verifier"]],

