@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,3 +447,44 @@ async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, jo
             items = [it for it in items if it[0] not in done]
         items.sort(key=lambda it: -len(it[2]))  # longest first: an out-of-memory shows at once
         return await ex.run(items, local)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command for servers the user starts (one per node)
+
+
+def serve_command(cfg: PipelineConfig, storage: Path) -> str:
+    """The ``vllm serve`` command of an extraction server for ``cfg`` (one node; start one per node and give each
+    URL as ``--extract-url``): the same flags the stage uses when it starts the server itself."""
+    from .verifier import load_text_config
+
+    text, _ = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)
+    args = server_args(cfg, storage, text.num_hidden_layers, cfg.shared.max_seq_len + 1, cpu=False)
+    if cfg.shared.trust_remote_code:
+        args.append("--trust-remote-code")
+    return (f"PYTHONPATH={shlex.quote(str(REPO_ROOT))} vllm serve {shlex.quote(cfg.shared.verifier)} "
+            + " ".join(shlex.quote(a) for a in args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(description="Print the vllm serve command of a stage-02 extraction server (start one "
+                                            "per node, then run stage 02 with one --extract-url per server).")
+    p.add_argument("--config", required=True)
+    p.add_argument("--storage", default="", help="folder the servers write in (default: <data_dir>/hidden_states/"
+                                                 "work; must be one filesystem the client reads too)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        print(serve_command(cfg, Path(args.storage) if args.storage else DataDir(cfg.data_dir).hs_work))
+    except (ConfigError, StageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

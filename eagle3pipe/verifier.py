@@ -81,6 +81,9 @@ def load_text_model(verifier: str | Path, dtype: torch.dtype = torch.bfloat16, d
     hf_logging.set_verbosity_error()  # its load report lists every lm_head / vision tensor we leave out on purpose
     try:
         model, info = AutoModel.from_pretrained(str(verifier), **kwargs)
+    except (OSError, RuntimeError, ValueError) as e:  # a truncated download, a shard missing, shapes that differ
+        raise VerifierLoadError(f"{verifier}: transformers could not load the decoder: "
+                                f"{str(e).strip().splitlines()[-1][:500]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
     unexpected = list(info.get("unexpected_keys", []))

@@ -2,7 +2,7 @@
 
 Loaded by name inside vLLM's API-server, engine-core and worker processes (``--kv-transfer-config
 '{"kv_connector": "Eagle3HiddenStatesConnector", "kv_connector_module_path": "eagle3pipe.vllm_connector", ...}'``),
-so it imports only vLLM, torch and ``eagle3pipe.records`` (stdlib at import time): the server needs this
+so it imports only vLLM, torch and ``eagle3pipe.records`` / ``kv_gather`` (torch, stdlib): the server needs this
 repository on its ``PYTHONPATH``, nothing else of ours. ``extract_vllm.py`` starts servers with it and drives them.
 
 A small subclass of vLLM's example connector, which keeps the scheduling side (which blocks hold a finished
@@ -33,10 +33,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
-    extract_from_kv_cache,
 )
 from vllm.logger import init_logger
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
+from eagle3pipe.kv_gather import gather_states, request_slots
 from eagle3pipe.records import HS_META_FINITE, HS_STORAGE_DTYPES, hidden_states_tensors, save_tensors_atomic
 
 logger = init_logger(__name__)
@@ -45,16 +46,6 @@ logger = init_logger(__name__)
 @dataclass
 class Eagle3PendingSave(PendingSave):
     storage_dtype: str = "bf16"  # what this request's file stores
-
-
-class _Done:
-    """Stands in for the CUDA event of a copy that already happened (CPU): ``get_finished`` polls ``query()``."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -96,56 +87,21 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending: Eagle3PendingSave) -> None:
         if not self._is_tp_rank_zero:
             return
-        cache = self._kv_cache  # [blocks, n states, block size, H]
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
-        num_tokens = pending.token_ids.shape[0]
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        dtype = pending.storage_dtype
-        if cache.device.type == "cuda":
-            event, states, scales, finite = self._copy_out_cuda(cache, slots, num_tokens, dtype)
-        else:
-            states = extract_from_kv_cache(cache, slots, num_tokens).clone()  # [T, n, H]
-            finite = torch.isfinite(states).all().reshape(1)
-            states, scales = self._to_storage(states, dtype)
-            event = _Done()
-        tensors = hidden_states_tensors(states, pending.token_ids.clone(), dtype, scales)
+        cache = self._kv_cache
+        stream = self._get_copy_stream() if cache.device.type == "cuda" else None
+        slots = request_slots(pending.block_ids, self._block_size)
+        with gpu_sync_allowed():  # the slot list goes up to the GPU once per request, as in vLLM's example
+            event, states, scales, finite = gather_states(cache, slots, pending.token_ids.shape[0],
+                                                          pending.storage_dtype, stream)
+        tensors = hidden_states_tensors(states, pending.token_ids.clone(), pending.storage_dtype, scales)
         future = self._executor.submit(self._write_tensors, tensors, event, pending.filename, lock_fd, finite)
         self._req_copy_events[pending.req_id] = event
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
-
-    @staticmethod
-    def _to_storage(states: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """States in the stored dtype: bf16 (cast), or fp8 values and their per-(token, state) scales."""
-        if dtype == "fp8":
-            from eagle3pipe.records import quantize_hidden_states
-
-            return quantize_hidden_states(states)
-        return states.to(torch.bfloat16), None
-
-    def _copy_out_cuda(self, cache: torch.Tensor, slots: torch.Tensor, num_tokens: int, dtype: str):
-        """Gather and convert on a side stream after the forward's writes, then copy into pinned host memory;
-        returns the event the writer thread waits on (the forward never waits for the copy)."""
-        stream = self._get_copy_stream()
-        stream.wait_stream(torch.cuda.current_stream(cache.device))
-        with torch.cuda.stream(stream):
-            states = extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), num_tokens)
-            finite = torch.isfinite(states).all().reshape(1).to("cpu", non_blocking=True)
-            states, scales = self._to_storage(states, dtype)
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            host.copy_(states, non_blocking=True)
-            host_scales = None
-            if scales is not None:
-                host_scales = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
-                host_scales.copy_(scales, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event, host, host_scales, finite
 
     @staticmethod
     def _write_tensors(tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None,

@@ -236,3 +236,81 @@ def test_rerun_skips_and_other_config_refuses_unless_overwrite(tmp_path, toy_lla
     assert again.storage_dtype == "fp8" and again.num_samples == 3
     with safe_open(str(DataDir(tmp_path).hs_file(0)), "pt") as f:
         assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The release as released: kimi_k2 text config, int4 counted decompressed, one-line load errors, vLLM server flags
+
+
+def test_gpu_memory_preflight_counts_int4_decompressed_and_names_the_vllm_backend(tmp_path, toy_kimi):
+    from test_extract_int4 import quantize_toy
+
+    quantize_toy(toy_kimi, tmp_path / "int4", tmp_path / "dequantized")
+    need = verifier_mod.verifier_load_bytes(tmp_path / "int4", "bfloat16")
+    # independent reference: what transformers really holds after loading (it decompresses the int4 experts)
+    model = load_text_model(tmp_path / "int4", torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert abs(need - held) <= 0.01 * held
+    assert need == verifier_mod.verifier_load_bytes(tmp_path / "dequantized", "bfloat16")  # int4 counted as bf16
+    packed = sum(v.numel() * v.element_size() for k, v in
+                 __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+                     str(tmp_path / "int4/model.safetensors")).items() if k.endswith("weight_packed"))
+    assert packed > 0 and need > packed  # the file is smaller than the load
+    with pytest.raises(StageError, match=r"takes \d+\.\d GB in bfloat16 .* extract.backend: vllm"):
+        extract_mod.preflight_gpu_memory(need, need - 1, str(tmp_path / "int4"), "bfloat16")
+    extract_mod.preflight_gpu_memory(need, need, str(tmp_path / "int4"), "bfloat16")
+
+
+def test_a_checkpoint_that_does_not_load_is_a_one_line_error(tmp_path, toy_kimi):
+    """A checkpoint missing one expert's weight (a broken download) is refused naming the folder: one `error:` line
+    and status 2 from the door, not a traceback. (The intact release-shaped toy, text_config model_type kimi_k2 as
+    released, loads: test_kimi_k25_wrapped_checkpoint_loads_text_model_exactly.)"""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(toy_kimi, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["language_model.model.layers.3.mlp.experts.5.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    write_rows(tmp_path / "d", 2)
+    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "02_extract_hidden_states.py"), "--data-dir",
+            str(tmp_path / "d"), "--verifier", str(broken), "--input", "prepared", "--aux-layer-ids", "2", "4", "5",
+            "--hidden-size", "128", "--device", "cpu"]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "could not load the decoder" in last and "Traceback" not in r.stderr
+
+
+def test_vllm_server_flags_capture_aux_ids_then_the_final_state(tmp_path, toy_llama):
+    from eagle3pipe import extract_vllm
+
+    cfg = make_cfg(tmp_path, toy_llama, backend="vllm", server_args="--tensor-parallel-size 8 --max-model-len 99")
+    args = extract_vllm.server_args(cfg, tmp_path / "work", num_layers=8, max_model_len=50, cpu=False)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
+    assert kv["kv_connector_module_path"] == "eagle3pipe.vllm_connector"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str((tmp_path / "work").resolve())
+    assert "--no-enable-prefix-caching" in args and "--no-enable-chunked-prefill" not in args
+    assert args.count("--max-model-len") == 1 and args[-4:] == ["--tensor-parallel-size", "8", "--max-model-len", "99"]
+    assert "--gpu-memory-utilization" in args  # the connector's copies are not in vLLM's memory profile
+    cpu = extract_vllm.server_args(make_cfg(tmp_path, toy_llama, backend="vllm"), tmp_path, 8, 50, cpu=True)
+    assert "--no-enable-chunked-prefill" in cpu and cpu[cpu.index("--max-model-len") + 1] == "50"
+
+
+@pytest.mark.parametrize("extract, fragment", [
+    ({"backend": "sglang"}, "extract.backend must be"),
+    ({"extract_url": ["http://a:1"]}, "for extract.backend: vllm"),
+    ({"backend": "vllm", "extract_url": ["http://a:1/v1"]}, "without /v1"),
+])
+def test_extract_backend_settings_are_checked_at_start(tmp_path, toy_llama, extract, fragment):
+    from eagle3pipe.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment):
+        make_cfg(tmp_path, toy_llama, **extract).validate("extract")

@@ -340,3 +340,18 @@ def test_two_servers_give_the_same_files_as_one(storage, toy_llama, llama_server
     for i in range(len(rows)):
         a, b = DataDir(storage / "one").hs_file(i), DataDir(storage / "two").hs_file(i)
         assert torch.equal(load_hidden_states(a)["hidden_states"], load_hidden_states(b)["hidden_states"]), i
+
+
+def test_a_request_cannot_write_outside_the_storage_folder(storage, llama_server, tmp_path_factory):
+    """vLLM's example connector lets any client write anywhere on the server (allow_custom_save_path); ours only
+    inside its storage folder: a path outside is refused and the file goes to the default place instead."""
+    import httpx2
+
+    outside = tmp_path_factory.mktemp("outside") / "hs_0.safetensors"
+    reply = httpx2.post(llama_server.url + "/v1/completions", timeout=120, json={
+        "model": llama_server.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 1,
+        "kv_transfer_params": {"hidden_states_path": str(outside)}}).json()
+    written = Path(reply["kv_transfer_params"]["hidden_states_path"])
+    assert written.parent == storage.resolve() and written != outside
+    time.sleep(2)
+    assert not outside.exists() and written.exists()
