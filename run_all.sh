@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Run the pipeline's stages in order: 01 prepare -> 01b generate (only with a vLLM URL; otherwise 02 reads
-# prepared/) -> 02 extract -> 03 vocab -> 04 train -> 05 evaluate.
+# Run the pipeline's stages in order: 01 prepare -> 01b generate (only with a vLLM URL) -> 02 extract -> 03 vocab
+# -> 04 train -> 05 evaluate.
 #
 # Usage:
 #   ./run_all.sh --config configs/kimi_k25.yaml [--vllm-url http://host:8000] [--from 02_extract | --only 04_train]
-#                [--to 04_train] [--force]
+#                [--to 04_train] [--force] [--allow-human-answers]
 #   nohup ./run_all.sh --config configs/kimi_k25.yaml > run_all.out 2>&1 &   tail -f run_all.out
 #
 # Each stage logs to <data_dir>/logs/<stage>.log (the stage's own log) and to the terminal; the whole run's output,
 # tracebacks included, is appended to <data_dir>/logs/run_all.log. A stage that exited 0 leaves a marker
 # <data_dir>/run_all/<stage>.done holding its config hash; a rerun with the same config skips it (--force re-runs).
-# A stage that runs makes every later stage run too. The first failing stage stops the run, naming itself and its
-# log. Stage names: 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
+# A stage that runs makes every later stage run too. The first failing stage stops the run, naming itself, its
+# error, its log and the command that resumes. Stopping run_all (kill PID, Ctrl-C) stops the running stage cleanly
+# and waits for it (a second signal kills it). Without a vLLM URL, 01b is skipped and 02-04 read synthetic/ when an
+# earlier 01b finished it, else prepared/ (with thinking on, only with --allow-human-answers). Stage names:
+# 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
 set -uo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # Everything runs inside main(): bash reads a function whole before calling it, so editing or updating this
 # file (git pull) while a long nohup run is in progress cannot change the running script under its feet.
@@ -22,7 +25,8 @@ main() {
 
   REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-  CONFIG="" FROM="" ONLY="" TO="" FORCE=0
+  RESUME_CMD="$(printf '%q ' "$0" "$@")"  # the command as typed: rerunning it resumes
+  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0
   VLLM_URLS=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -32,6 +36,7 @@ main() {
       --only) ONLY="$2"; shift 2 ;;
       --to) TO="$2"; shift 2 ;;
       --force) FORCE=1; shift ;;
+      --allow-human-answers) ALLOW_HUMAN=1; shift ;;
       -h|--help) usage; exit 0 ;;
       *) echo "run_all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -43,6 +48,7 @@ main() {
 
   PLAN_ARGS=(plan --config "$CONFIG")
   [ ${#VLLM_URLS[@]} -gt 0 ] && PLAN_ARGS+=(--vllm-url "${VLLM_URLS[@]}")
+  [ $ALLOW_HUMAN -eq 1 ] && PLAN_ARGS+=(--allow-human-answers)
   PLAN="$("$PYTHON" -m eagle3pipe.run_all "${PLAN_ARGS[@]}")" || exit 2
   DATA_DIR="$("$PYTHON" -m eagle3pipe.run_all data-dir --config "$CONFIG")" || exit 2
   mkdir -p "$DATA_DIR/logs"
@@ -61,6 +67,27 @@ main() {
     fi
   done
 
+  # A signal to run_all goes to the running stage as SIGTERM (the stage flushes its files and releases its lock);
+  # run_all then waits for it. A second signal kills the stage. The stage runs in the background so that these
+  # traps run at once (bash defers traps while a foreground command runs); as an asynchronous command of a
+  # non-interactive shell it ignores SIGINT, so Ctrl-C reaches it only through here.
+  STAGE_PID="" SIGNALLED="" SIGNAL_STATUS=0
+  on_signal() {
+    if [ -n "$STAGE_PID" ] && kill -0 "$STAGE_PID" 2>/dev/null; then
+      if [ -z "$SIGNALLED" ]; then
+        say "received SIG$1: stopping stage $name (pid $STAGE_PID) and waiting for it (send again to kill it)"
+        kill -TERM "$STAGE_PID" 2>/dev/null
+      else
+        say "received SIG$1 again: killing stage $name (pid $STAGE_PID)"
+        kill -KILL "$STAGE_PID" 2>/dev/null
+      fi
+    fi
+    SIGNALLED="$1" SIGNAL_STATUS="$2"
+  }
+  trap 'on_signal TERM 143' TERM
+  trap 'on_signal INT 130' INT
+  trap 'on_signal HUP 129' HUP
+
   mapfile -t ALL_MARKERS < <(cut -f4 <<< "$PLAN")
   say "config $CONFIG, data dir $DATA_DIR, python $PYTHON"
   started=0 ; [ -z "$FROM" ] && started=1
@@ -71,17 +98,36 @@ main() {
     matches "$name" "$FROM" && started=1
     if [ -n "$ONLY" ] && ! matches "$name" "$ONLY"; then continue; fi
     if [ $started -eq 0 ]; then say "$name: before --from $FROM, not run"; continue; fi
+    if [ -n "$SIGNALLED" ]; then
+      say "stopped by SIG$SIGNALLED before $name; to resume: $RESUME_CMD"; exit "$SIGNAL_STATUS"
+    fi
     if [ $FORCE -eq 0 ] && [ $ran_upstream -eq 0 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ]; then
       say "$name: done before with this config (marker $marker), skipped"
     else
       say "$name: running $(basename "$script") (log $log)"
       # This stage's output changes: later stages are no longer done, even in a later run.
       rm -f "$marker" "${ALL_MARKERS[@]:$((idx + 1))}"
+      log_start=$(stat -c %s "$log" 2>/dev/null || echo 0)
       # shellcheck disable=SC2086  # extra holds whitespace-separated flags by design
-      "$PYTHON" "$script" --config "$stage_config" $extra < /dev/null 2>&1 | tee -a "$RUN_LOG"
-      rc=${PIPESTATUS[0]}
+      "$PYTHON" "$script" --config "$stage_config" $extra < /dev/null > >(tee -ia "$RUN_LOG") 2>&1 &
+      STAGE_PID=$!
+      while :; do
+        wait "$STAGE_PID"; rc=$?
+        # wait also returns when a trapped signal arrives: go on waiting while the stage still runs
+        if [ $rc -gt 128 ] && kill -0 "$STAGE_PID" 2>/dev/null; then continue; fi
+        break
+      done
+      STAGE_PID=""
+      if [ -n "$SIGNALLED" ]; then
+        say "stopped by SIG$SIGNALLED during $name (its exit status $rc); to resume: $RESUME_CMD"
+        exit "$SIGNAL_STATUS"
+      fi
       if [ "$rc" -ne 0 ]; then
-        say "FAILED at stage $name (exit status $rc); its log: $log (whole run: $RUN_LOG)"
+        # the stage's own one-line error (cli.run_stage logs it as "<stage> failed: ..." or "refused: ...")
+        why="$(tail -c +$((log_start + 1)) "$log" 2>/dev/null | grep -E ' ERROR .*(failed|refused): ' | tail -n 1 \
+               | sed -E 's/.* (failed|refused): //')"
+        say "FAILED at stage $name (exit status $rc)${why:+: $why}"
+        say "its log: $log (whole run: $RUN_LOG); after fixing the cause, resume with: $RESUME_CMD"
         exit "$rc"
       fi
       mkdir -p "$(dirname "$marker")"

@@ -83,7 +83,7 @@ def run_arm(args, work: Path, arm: str, seed: int) -> dict:
     dd = DataDir(work / f"{arm}_s{seed}")
     regen = DataDir(work / f"regen_s{seed}")
     if arm == "human":
-        run_all(config)
+        run_all(config, "--allow-human-answers")  # this arm measures exactly that
     elif arm == "regen":
         with VllmServer(args.verifier, extra_args=["--reasoning-parser", "kimi_k2"],
                         log_file=work / f"vllm_generate_s{seed}.log") as srv:

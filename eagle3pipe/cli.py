@@ -1,16 +1,23 @@
-"""The shared door of every numbered script: parse flags over YAML, set up logging, run one stage function.
+"""The shared door of every numbered script: parse flags over YAML, set up logging, lock the stage, run it.
 
 Known failures (bad config, missing file, wrong token ids, a refused preflight) end as one line on stderr naming
-the culprit, exit status 2; anything else is a bug and keeps its traceback.
+the culprit, exit status 2; anything else is a bug and keeps its traceback. Every stage holds its lock in the data
+dir while it runs (``locks.py``: a second copy refuses, naming the first). SIGTERM (what ``run_all.sh`` forwards
+when it is stopped) and Ctrl-C unwind the stage like an error, so files are flushed and the lock released; the
+exit status is then 128 + the signal number and a rerun of the same command resumes.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import signal
 import sys
+import threading
 from typing import Callable
 
 from .config import ConfigError, PipelineConfig, parse_stage_args
+from .locks import StageLock, StageLockedError
 from .progress import setup_logging
 from .records import DataDir
 
@@ -21,9 +28,20 @@ class StageError(RuntimeError):
     """A stage refuses to go on; the message says what was found and which flag or file fixes it."""
 
 
+class StageInterrupted(SystemExit):
+    """SIGTERM arrived. A SystemExit, so asyncio and library code let it through as they do a real exit."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    for child in multiprocessing.active_children():  # e.g. stage 02's workers: no orphan keeps writing
+        child.terminate()
+    raise StageInterrupted(128 + signal.SIGTERM)
+
+
 def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object], description: str | None,
               argv: list[str] | None = None) -> int:
-    """Parse ``argv`` for ``stage``, log to ``<data_dir>/logs/<log_name>.log``, call ``fn(cfg)``; return exit code."""
+    """Parse ``argv`` for ``stage``, log to ``<data_dir>/logs/<log_name>.log``, hold the stage's lock, call
+    ``fn(cfg)``; return the exit code."""
     from .chat import ChatError, TokenIdMismatch
     from .records import FormatError
 
@@ -32,13 +50,33 @@ def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object],
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    setup_logging(DataDir(cfg.data_dir).log_file(log_name))
-    log.info("%s: config from %s: %s", log_name, cfg.source, cfg.to_dict()[stage] if stage in cfg.to_dict() else {})
-    log.info("%s: shared: %s", log_name, cfg.to_dict()["shared"])
+    dd = DataDir(cfg.data_dir)
+    setup_logging(dd.log_file(log_name))
+    lock = StageLock(dd.stage_lock(log_name), log_name)
     try:
+        lock.acquire()
+    except StageLockedError as e:
+        log.error("%s refused: %s", log_name, e)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+    previous_handler = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    try:
+        log.info("%s: config from %s: %s", log_name, cfg.source, cfg.to_dict().get(stage, {}))
+        log.info("%s: shared: %s", log_name, cfg.to_dict()["shared"])
         fn(cfg)
     except (ConfigError, StageError, ChatError, TokenIdMismatch, FormatError, FileNotFoundError) as e:
         log.error("%s failed: %s", log_name, e)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StageInterrupted as e:
+        log.warning("%s stopped by SIGTERM; what it finished is kept: rerun the same command to resume", log_name)
+        return int(e.code)
+    except KeyboardInterrupt:
+        log.warning("%s stopped by Ctrl-C; what it finished is kept: rerun the same command to resume", log_name)
+        return 128 + signal.SIGINT
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous_handler)
+        lock.release()
     return 0

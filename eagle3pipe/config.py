@@ -12,12 +12,15 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from .records import REQUEST_ERROR_KINDS
 
 
 class ConfigError(ValueError):
@@ -64,7 +67,11 @@ class GenerateConfig:
     temperature: float = 1.0  # sampling temperature sent to the server (Moonshot's K2.5 thinking-mode value)
     top_p: float = 0.95  # nucleus sampling sent to the server (Moonshot's K2.5 thinking-mode value)
     include_truncated: bool = False  # also train on finish_reason length/abort/repetition records
-    empty_reasoning_max_share: float = 0.05  # stop if more than this share of the first 100 have no reasoning
+    empty_reasoning_max_share: float = 0.05  # stop when clearly more than this share of responses lack reasoning
+    allow_empty_reasoning: bool = False  # with thinking on, also train on responses whose reasoning came back empty
+    retry_empty_reasoning: bool = False  # ask again the questions whose finished response has empty reasoning
+    max_error_share: float = 0.0  # exit non-zero while more than this share of ids errored (a rerun retries them)
+    permanent_error_kinds: list[str] = field(default_factory=list)  # error kinds accepted as final: context_too_long
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
     request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
     overwrite: bool = False  # start afresh: delete synthetic/ responses, data, errors (e.g. after a bad server setup)
@@ -83,7 +90,7 @@ class ExtractConfig:
     retry_backoff_s: float = 2.0  # vllm: wait before the first retry, seconds; doubled per retry
     verify_tokens: int = 2048  # vllm: tokens of the first samples whose next-token top-1 from the stored final state is checked against the server's prompt_logprobs before the bulk run; 0 = off
     verify_min_agreement: float = 0.99  # vllm: stop before the bulk run when that top-1 agreement is lower
-    storage_dtype: str = "bf16"  # "bf16" (model dtype) or "fp8" (e4m3 values + per-token scale)
+    storage_dtype: str = "bf16"  # "bf16" (whatever model_dtype) or "fp8" (e4m3 values, one scale per token and state)
     batch_tokens: int = 16384  # padded tokens per forward batch (samples sorted by length)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     model_dtype: str = "bfloat16"  # dtype the verifier runs in
@@ -261,9 +268,13 @@ class PipelineConfig:
         if g.min_completion_tokens > g.max_completion_tokens:
             raise ConfigError(f"generate.min_completion_tokens {g.min_completion_tokens} exceeds max_completion_tokens "
                               f"{g.max_completion_tokens}: no completion could enter data.jsonl")
-        if not 0.0 <= g.empty_reasoning_max_share <= 1.0:
-            raise ConfigError(f"generate.empty_reasoning_max_share must be in [0, 1], "
-                              f"got {g.empty_reasoning_max_share}")
+        for key in ("empty_reasoning_max_share", "max_error_share"):
+            if not 0.0 <= getattr(g, key) <= 1.0:
+                raise ConfigError(f"generate.{key} must be in [0, 1], got {getattr(g, key)}")
+        for kind in g.permanent_error_kinds:
+            if kind not in REQUEST_ERROR_KINDS and not re.fullmatch(r"http_[1-4][0-9][0-9]", kind):
+                raise ConfigError(f"generate.permanent_error_kinds: unknown error kind {kind!r} (known: "
+                                  f"{', '.join(REQUEST_ERROR_KINDS)}, http_NNN for a 4xx status)")
         if g.request_extra_json:
             try:
                 extra = json.loads(g.request_extra_json)

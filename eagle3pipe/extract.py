@@ -35,6 +35,8 @@ from .records import (
     HiddenStatesManifest,
     HsJournalEntry,
     atomic_write_json,
+    check_synthetic_finished,
+    hs_bytes_estimate,
     hs_bytes_per_token,
     load_hs_journal,
     load_hs_manifest,
@@ -117,14 +119,14 @@ def remove_outputs(dd: DataDir) -> None:
             p.unlink()
 
 
-def preflight_disk(dd: DataDir, tokens: int, num_states: int, hidden_size: int, storage_dtype: str,
+def preflight_disk(dd: DataDir, tokens: int, samples: int, num_states: int, hidden_size: int, storage_dtype: str,
                    force: bool) -> None:
-    need = tokens * hs_bytes_per_token(num_states, hidden_size, storage_dtype)
+    need = hs_bytes_estimate(tokens, samples, num_states, hidden_size, storage_dtype)  # what the files will take
     dd.hidden_states.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dd.hidden_states).free
-    log.info("disk preflight: %d tokens x %d B/token = %.2f GB to write (%s); %.2f GB free on %s", tokens,
-             hs_bytes_per_token(num_states, hidden_size, storage_dtype), need / 1e9, storage_dtype, free / 1e9,
-             dd.hidden_states)
+    log.info("disk preflight: %d tokens x %d B/token (%s) + %d file headers = %d bytes (%.2f GB) to write; %.2f GB "
+             "free on %s", tokens, hs_bytes_per_token(num_states, hidden_size, storage_dtype), storage_dtype, samples,
+             need, need / 1e9, free / 1e9, dd.hidden_states)
     if need * DISK_HEADROOM > free and not force:
         raise StageError(
             f"hidden states need {need / 1e9:.2f} GB (+5% headroom) but {dd.hidden_states} has {free / 1e9:.2f} GB "
@@ -232,6 +234,24 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     return manifest
 
 
+def _changed(run_before: dict | None, manifest: HiddenStatesManifest | None, identity: dict) -> str:
+    """What differs between the extraction in hidden_states/ and this one, as 'key: then, now' (for the refusal)."""
+    if run_before and "identity" in run_before:
+        before = run_before["identity"]
+    elif manifest is not None:
+        before = {k: getattr(manifest, k) for k in ("verifier", "aux_layer_ids", "model_dtype", "storage_dtype",
+                                                    "input")}
+    else:
+        return "no record of its settings"
+    changed = []
+    for key, now in identity.items():
+        if key in before and before[key] != now:
+            # the input's hash says only that the file changed; the other keys are worth printing
+            changed.append(f"{identity['input']} changed since" if key == "input_sha256"
+                           else f"{key}: {before[key]!r} then, {now!r} now")
+    return "; ".join(changed) or "settings differ"
+
+
 def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     """Stage 02 (see module docstring). Returns the manifest of the finished output."""
     started = time.time()
@@ -239,6 +259,8 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     src = input_path(cfg)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no input rows; run the stage that writes it, or pick another with --input")
+    if ex.input == "synthetic":
+        check_synthetic_finished(dd)  # a partial 01b output is refused, naming 01b
     rows = list(load_training_rows(src))
     if not rows:
         raise StageError(f"{src}: holds no rows")
@@ -261,13 +283,15 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     config_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     manifest = load_hs_manifest(dd.hs_manifest)
     run_file = dd.hs_run
-    previous = json.loads(run_file.read_text())["config_hash"] if run_file.exists() else None
+    run_before = json.loads(run_file.read_text()) if run_file.exists() else None
+    previous = run_before["config_hash"] if run_before else None
     if manifest is not None:
         previous = manifest.config_hash
     if previous is not None and previous != config_hash:
         if not ex.overwrite:
-            raise StageError(f"{dd.hidden_states} holds hidden states of other inputs/config (hash {previous}, now "
-                             f"{config_hash}); pass --overwrite to delete and redo them")
+            raise StageError(f"{dd.hidden_states} holds hidden states of other inputs/config ("
+                             f"{_changed(run_before, manifest, identity)}); rerun with the original settings to "
+                             "resume, or pass --overwrite to delete and redo them")
         log.warning("--overwrite: deleting hidden states of config %s in %s", previous, dd.hidden_states)
         remove_outputs(dd)
         manifest = None
@@ -287,7 +311,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     log.info("%s: %d rows, %d already done, %d to extract (%d tokens); states %s", src, len(rows), len(done),
              len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
     if todo:
-        preflight_disk(dd, todo_tokens, num_states, hidden_size, ex.storage_dtype, ex.force_disk)
+        preflight_disk(dd, todo_tokens, len(todo), num_states, hidden_size, ex.storage_dtype, ex.force_disk)
         shard = max({int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")} | {-1}) + 1
         t0 = time.monotonic()
         if ex.backend == "vllm":

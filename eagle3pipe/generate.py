@@ -4,10 +4,16 @@ Reads ``prepared/questions.jsonl``; writes ``synthetic/responses.jsonl`` (one li
 server's exact prompt and completion token ids), ``synthetic/data.jsonl`` (training rows: prompt ids + completion
 ids, loss mask on the completion) and ``synthetic/errors.jsonl`` (requests that failed after every retry). Each line
 is appended and flushed when its request ends; a rerun of the same command resumes: finished ids are skipped,
-errored ids retried, no id is written twice.
+errored ids retried (unless their kind is in ``permanent_error_kinds``), no id is written twice.
+
+The run's sampling settings go into ``synthetic/run.json`` before the first request, so a resume with other settings
+is refused by name. ``provenance.json`` is written only when the run is complete (every id finished or errored with
+an accepted kind, at most ``max_error_share`` others) and is removed when a rerun starts adding to the folder:
+stages 02 and 03 read synthetic/ only while it is there (``records.check_synthetic_finished``).
 
 Known silent failures it guards against: reading ``reasoning_content`` when vLLM >= 0.16 sends ``reasoning``
-(every record looks fine, reasoning is empty: the empty-reasoning guard stops the run); client timeouts because
+(every record looks fine, reasoning is empty: such records are flagged and never trained on, and the
+empty-reasoning guard, judging every response of the run, stops it); client timeouts because
 requests queue in the server (the /metrics monitor warns and suggests a concurrency the server sustains);
 re-tokenized text that differs from what the model produced (ids come from ``return_token_ids``).
 """
@@ -16,20 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime as _dt
 import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .chat import load_tokenizer, resolve_special_ids
 from .cli import StageError
 from .config import PipelineConfig
-from .generate_requests import Generator, trainable, training_row
+from .generate_requests import EmptyReasoningError, Generator, trainable, training_row
 from .progress import Progress
 from .records import (
     DataDir,
     JsonlAppender,
+    atomic_write_json,
     check_synthetic,
     load_questions,
     load_request_errors,
@@ -37,7 +46,7 @@ from .records import (
     read_provenance,
     repair_jsonl,
     write_jsonl_atomic,
-    write_provenance,
+    write_synthetic_provenance,
 )
 
 log = logging.getLogger(__name__)
@@ -50,68 +59,174 @@ SAMPLING_KEYS = ("served_model_name", "max_completion_tokens", "min_completion_t
 # Resume bookkeeping
 
 
-def sampling_hash(cfg: PipelineConfig) -> str:
+def _path(p: str) -> str:
+    return str(Path(p).resolve()) if p else ""
+
+
+def sampling_settings(cfg: PipelineConfig) -> dict:
+    """What decides the responses (flat ``section.key`` names): one synthetic/ folder holds one setting of these."""
     s, g = cfg.shared, cfg.generate
-    payload = {"verifier": s.verifier, "tokenizer": s.tokenizer, "thinking": s.thinking, "max_seq_len": s.max_seq_len,
-               **{k: getattr(g, k) for k in SAMPLING_KEYS}}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return {"shared.verifier": _path(s.verifier), "shared.tokenizer": _path(s.tokenizer),
+            "shared.thinking": s.thinking, "shared.max_seq_len": s.max_seq_len,
+            **{f"generate.{k}": getattr(g, k) for k in SAMPLING_KEYS}}
+
+
+def sampling_hash(cfg: PipelineConfig) -> str:
+    return hashlib.sha256(json.dumps(sampling_settings(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _settings_before(dd: DataDir) -> dict | None:
+    """The settings synthetic/ was generated with: run.json (written at start), else a finished run's provenance."""
+    if dd.synthetic_run.exists():
+        return json.loads(dd.synthetic_run.read_text())["settings"]
+    prov = read_provenance(dd.provenance(dd.synthetic))
+    if prov:  # written by a version without run.json: rebuild the flat names from its config
+        config = prov.get("config", {})
+        return {f"{section}.{k}": (_path(v) if k in ("verifier", "tokenizer") else v)
+                for section in ("shared", "generate") for k, v in config.get(section, {}).items()}
+    return None
 
 
 def _prepare_output_dir(dd: DataDir, cfg: PipelineConfig) -> None:
-    """Refuse to mix sampling settings in one synthetic/ folder; --overwrite starts it afresh."""
-    outputs = (dd.responses, dd.synthetic_data, dd.synthetic_errors, dd.provenance(dd.synthetic))
+    """Refuse to mix sampling settings in one synthetic/ folder, naming what differs; --overwrite starts afresh.
+    Records this run's settings in run.json before any request, so a crash then a changed rerun is caught too."""
+    outputs = (dd.responses, dd.synthetic_data, dd.synthetic_errors, dd.provenance(dd.synthetic), dd.synthetic_run)
     if cfg.generate.overwrite:
         for path in outputs:
             if path.exists():
                 log.warning("--overwrite: deleting %s", path)
                 path.unlink()
-        return
-    prov = read_provenance(dd.provenance(dd.synthetic))
-    if prov and prov.get("config_hash") != sampling_hash(cfg) and dd.responses.exists():
-        old = prov.get("config", {}).get("generate", {})
-        changed = [k for k in SAMPLING_KEYS if old.get(k) != getattr(cfg.generate, k)]
-        raise StageError(
-            f"{dd.synthetic} was generated with different settings (changed: {', '.join(changed) or 'shared'}); "
-            "rerun with the original settings to resume, pass --overwrite to start afresh, or use another --data-dir"
-        )
+    now = sampling_settings(cfg)
+    before = _settings_before(dd)
+    has_output = dd.responses.exists() or dd.synthetic_errors.exists()
+    if before is not None and has_output:
+        changed = [f"{k} ({before.get(k)!r} then, {now[k]!r} now)" for k in now if before.get(k, now[k]) != now[k]]
+        if changed:
+            raise StageError(
+                f"{dd.synthetic} holds responses generated with other settings: {'; '.join(changed)}. Rerun with "
+                "the original settings to resume, pass --overwrite to start afresh (deletes synthetic/), or use "
+                "another --data-dir")
+    elif has_output:
+        log.warning("%s holds responses but no record of their settings (%s): assuming this run's", dd.synthetic,
+                    dd.synthetic_run.name)
+    atomic_write_json(dd.synthetic_run, {"config_hash": sampling_hash(cfg), "settings": now,
+                                         "started": _dt.datetime.now().isoformat(timespec="seconds")})
 
 
 @dataclass
 class ResumeState:
     finished: set[str]  # ids with a response line
+    permanent: set[str]  # ids that errored with a kind the user accepted as permanent (not retried)
     previous_attempts: dict[str, int]  # attempts spent on ids that errored in earlier runs
-    data_rows_added: int  # data rows restored for responses written just before a crash
+    data_rows_added: int  # data rows restored for responses written just before a crash (or now trainable)
+    data_rows_removed: int  # data rows no longer trainable under this run's settings
+    judged: int  # finished responses of this run's ids the empty-reasoning guard counts (thinking on)
+    empty: int  # of those, how many have empty reasoning
+    first_empty: dict | None  # the first of them, described for the guard's message
 
 
-def _resume(dd: DataDir, sources: dict[str, str], include_truncated: bool) -> ResumeState:
-    """Repair torn lines, restore data rows a crash skipped, drop errors of ids this run retries or finished."""
+def _is_empty_reasoning(d: dict) -> bool:
+    return not (d.get("reasoning") or "").strip()
+
+
+def _resume(dd: DataDir, sources: dict[str, str], cfg: PipelineConfig) -> ResumeState:
+    """Repair torn lines; with --retry-empty-reasoning drop the responses without reasoning (asked again); make
+    data.jsonl hold exactly the responses trainable under this run's settings (restoring rows a crash skipped);
+    keep errors of accepted kinds, drop the others (retried now) and stale ones; count the guard's sample.
+    Streams the files (responses.jsonl of a real run holds millions of ids)."""
+    g, thinking = cfg.generate, cfg.shared.thinking
     for path in (dd.responses, dd.synthetic_data, dd.synthetic_errors):
         repair_jsonl(path)
-    data_ids = {d["id"] for d in read_jsonl(dd.synthetic_data)} if dd.synthetic_data.exists() else set()
+
+    def responses():
+        return read_jsonl(dd.responses) if dd.responses.exists() else iter(())
+
+    if g.retry_empty_reasoning and thinking:
+        retried = sum(d["id"] in sources and _is_empty_reasoning(d) for d in responses())
+        if retried:
+            log.warning("--retry-empty-reasoning: %d responses without reasoning are asked again (their records "
+                        "leave %s; every other finished response is kept)", retried, dd.responses)
+            write_jsonl_atomic(dd.responses, (d for d in responses()
+                                              if not (d["id"] in sources and _is_empty_reasoning(d))))
     finished: set[str] = set()
+    wanted: set[str] = set()  # ids whose response is trainable under this run's settings
+    judged, empty, first_empty = 0, 0, None
+    for d in responses():
+        finished.add(d["id"])
+        if d["completion_token_ids"] and trainable(d["flags"], g.include_truncated, g.allow_empty_reasoning):
+            wanted.add(d["id"])
+        if thinking and d["id"] in sources:
+            judged += 1
+            if _is_empty_reasoning(d):
+                empty += 1
+                first_empty = first_empty or {
+                    "id": d["id"], "finish_reason": d["finish_reason"],
+                    "fields": {"reasoning": "empty (stored record)", "content": f"{len(d['content'] or '')} chars"}}
+    data_ids: set[str] = set()
+    removed = 0
+    if dd.synthetic_data.exists():
+        for row in read_jsonl(dd.synthetic_data):
+            data_ids.add(row["id"])
+        removed = len(data_ids - wanted)
+        if removed:  # e.g. --allow-empty-reasoning or --include-truncated turned off since the rows were written
+            write_jsonl_atomic(dd.synthetic_data, (row for row in read_jsonl(dd.synthetic_data) if row["id"] in wanted))
+            data_ids &= wanted
     added = 0
-    if dd.responses.exists():
+    if wanted - data_ids:
         with JsonlAppender(dd.synthetic_data) as data_out:
-            for d in read_jsonl(dd.responses):
-                finished.add(d["id"])
-                # a crash between the response line and its data line: write the data line now
-                if d["id"] not in data_ids and trainable(d["flags"], include_truncated):
+            for d in responses():
+                # a crash between the response line and its data line, or a setting that now trains on it
+                if d["id"] in wanted and d["id"] not in data_ids:
                     data_out.write(training_row(d["id"], d["prompt_token_ids"], d["completion_token_ids"],
-                                                 sources.get(d["id"], "")).to_json())
+                                                sources.get(d["id"], "")).to_json())
                     data_ids.add(d["id"])
                     added += 1
     previous_attempts: dict[str, int] = {}
+    permanent: set[str] = set()
     if dd.synthetic_errors.exists():
-        kept = []
+        kept_errors = []
         for err in load_request_errors(dd.synthetic_errors):
             if err.id in finished:
                 continue  # finished on a later run: the error is stale
-            if err.id in sources:
+            if err.id in sources and err.kind not in g.permanent_error_kinds:
                 previous_attempts[err.id] = previous_attempts.get(err.id, 0) + err.attempts  # retried now
             else:
-                kept.append(err.to_json())  # outside this run's questions (e.g. a smaller --max-samples)
-        write_jsonl_atomic(dd.synthetic_errors, kept)
-    return ResumeState(finished=finished, previous_attempts=previous_attempts, data_rows_added=added)
+                # an accepted permanent error, or an id outside this run's questions (a smaller --max-samples)
+                kept_errors.append(err.to_json())
+                if err.id in sources:
+                    permanent.add(err.id)
+        write_jsonl_atomic(dd.synthetic_errors, kept_errors)
+    return ResumeState(finished=finished, permanent=permanent, previous_attempts=previous_attempts,
+                       data_rows_added=added, data_rows_removed=removed, judged=judged, empty=empty,
+                       first_empty=first_empty)
+
+
+def _check_errors(dd: DataDir, cfg: PipelineConfig, question_ids: list[str]) -> dict:
+    """Errored ids after the run: those of accepted kinds are final; more of the others than --max-error-share
+    allows stop the stage (exit status 2) with the count and how to resume. Returns counts for the provenance."""
+    g = cfg.generate
+    wanted = set(question_ids)
+    errors = [e for e in load_request_errors(dd.synthetic_errors) if e.id in wanted] \
+        if dd.synthetic_errors.exists() else []
+    accepted = collections.Counter(e.kind for e in errors if e.kind in g.permanent_error_kinds)
+    open_errors = collections.Counter(e.kind for e in errors if e.kind not in g.permanent_error_kinds)
+    allowed = int(g.max_error_share * len(question_ids))
+    n_open = sum(open_errors.values())
+    if n_open > allowed:
+        kinds = ", ".join(f"{k} {v}" for k, v in open_errors.most_common())
+        final = [k for k in open_errors if k == "context_too_long" or (k.startswith("http_4") and k != "http_408")]
+        hint = (f" Kinds that fail the same way on every try ({', '.join(final)}): accept them as permanently bad "
+                f"with --permanent-error-kinds {' '.join(final)} (they stay listed in {dd.synthetic_errors.name})."
+                if final else "")
+        raise StageError(
+            f"{n_open} of {len(question_ids)} ids errored ({kinds}; listed in {dd.synthetic_errors}); allowed: "
+            f"{allowed} (--max-error-share {g.max_error_share:g}). synthetic/ is not finished and stages 02/03 "
+            f"refuse it. Rerun the same command to retry exactly these {n_open} ids (finished ones are not sent "
+            f"again).{hint}")
+    if n_open:
+        log.warning("%d ids errored (within --max-error-share %g): synthetic/ is finished without them; a rerun "
+                    "retries them", n_open, g.max_error_share)
+    return {"errored": n_open, "errored_kinds": dict(open_errors), "accepted_permanent": dict(accepted)}
 
 
 def run_generate(cfg: PipelineConfig) -> dict:
@@ -132,11 +247,15 @@ def run_generate(cfg: PipelineConfig) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     special = resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     _prepare_output_dir(dd, cfg)
-    resume = _resume(dd, {q.id: q.source for q in questions}, g.include_truncated)
-    todo = [q for q in questions if q.id not in resume.finished]
-    log.info("01b: %d questions; %d already finished, %d to send (%d retried after earlier errors)%s",
-             len(questions), len(questions) - len(todo), len(todo), len(resume.previous_attempts),
-             f"; restored {resume.data_rows_added} data rows" if resume.data_rows_added else "")
+    resume = _resume(dd, {q.id: q.source for q in questions}, cfg)
+    todo = [q for q in questions if q.id not in resume.finished and q.id not in resume.permanent]
+    log.info("01b: %d questions; %d already finished, %d errored with an accepted kind, %d to send (%d retried "
+             "after earlier errors)%s%s", len(questions), len(resume.finished & set(ids)), len(resume.permanent),
+             len(todo), len(resume.previous_attempts),
+             f"; restored {resume.data_rows_added} data rows" if resume.data_rows_added else "",
+             f"; removed {resume.data_rows_removed} data rows no longer trainable" if resume.data_rows_removed else "")
+    if todo or resume.data_rows_added or resume.data_rows_removed:
+        dd.provenance(dd.synthetic).unlink(missing_ok=True)  # the folder changes: not finished until this run is
     progress = Progress(len(questions), unit="req", initial=len(questions) - len(todo),
                         every_s=cfg.shared.progress_every_s, desc="Progress")
     interrupted: BaseException | None = None
@@ -144,7 +263,11 @@ def run_generate(cfg: PipelineConfig) -> dict:
             JsonlAppender(dd.synthetic_errors) as errors_out:
         gen = Generator(cfg, tokenizer, special, resume.previous_attempts, progress,
                         responses_out, data_out, errors_out)
+        # the guard judges the whole run: it starts from the responses finished before
+        gen.stats.guard_seen, gen.stats.guard_empty = resume.judged, resume.empty
+        gen.stats.first_empty = resume.first_empty
         try:
+            gen.check_guard()  # the finished responses alone may already show the reasoning is being dropped
             if todo:
                 asyncio.run(gen.run(todo))
         except BaseException as e:  # the guard, Ctrl-C: what was written stays; the summary is still logged
@@ -155,14 +278,19 @@ def run_generate(cfg: PipelineConfig) -> dict:
     summary = {**gen.stats.summary(), "questions": len(questions), "skipped_finished": len(questions) - len(todo),
                "ids": check.figures(), "elapsed_s": round(time.time() - started, 1)}
     _log_summary(summary, dd)
+    st = gen.stats
+    if cfg.shared.thinking and st.guard_empty and not isinstance(interrupted, EmptyReasoningError):
+        log.warning("%d of the %d responses of this run have empty reasoning: %s", st.guard_empty, st.guard_seen,
+                    "trained on (--allow-empty-reasoning)" if g.allow_empty_reasoning else
+                    "flagged empty_reasoning in responses.jsonl and not trained on")
     if interrupted is not None:
         raise interrupted
     if not check.ok():
         raise StageError(f"{dd.synthetic}: id bookkeeping broken ({check.figures()}; duplicated "
                          f"{check.duplicated[:5]}, data without response {check.data_without_response[:5]})")
-    write_provenance(dd.provenance(dd.synthetic), stage="generate", config_hash=sampling_hash(cfg),
-                     config={"shared": cfg.to_dict()["shared"], "generate": cfg.to_dict()["generate"]},
-                     inputs=[str(dd.questions)], counts=summary, started=started)
+    summary.update(_check_errors(dd, cfg, ids))
+    write_synthetic_provenance(dd, config_hash=sampling_hash(cfg), counts=summary, started=started,
+                               config={"shared": cfg.to_dict()["shared"], "generate": cfg.to_dict()["generate"]})
     return summary
 
 

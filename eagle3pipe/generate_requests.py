@@ -13,7 +13,9 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +32,10 @@ from .server import ServerMetrics, aread_metrics, make_async_client
 log = logging.getLogger(__name__)
 
 TRUNCATED_FINISH_REASONS = ("length", "abort", "repetition")
-GUARD_WINDOW = 100  # the empty-reasoning guard judges the first this-many finished requests
+EMPTY_REASONING_FLAG = "empty_reasoning"  # thinking on, no reasoning came back: not trained on unless allowed
+GUARD_MIN_SAMPLE = 20  # the empty-reasoning guard never judges fewer responses than this
+GUARD_Z = 2.576  # the guard trips when the 99% lower confidence bound of the empty share passes the allowed share
+CONTEXT_TOO_LONG = re.compile(r"maximum context length", re.IGNORECASE)  # vLLM's HTTP 400 for a too-long prompt
 REASONING_FIELDS = ("reasoning", "reasoning_content")  # vLLM >= 0.16, then older vLLM / other servers
 MAX_BACKOFF_S = 60.0
 METRICS_EVERY_S = 15.0  # cap on the /metrics scrape interval (progress lines may be rarer)
@@ -122,9 +127,26 @@ def wire_messages(messages: list[dict]) -> list[dict]:
 # Training rows
 
 
-def trainable(flags: list[str], include_truncated: bool) -> bool:
-    """A record goes into data.jsonl unless flagged; truncated ones too with --include-truncated."""
-    return not flags or (include_truncated and set(flags) <= set(TRUNCATED_FINISH_REASONS))
+def trainable(flags: list[str], include_truncated: bool, allow_empty_reasoning: bool = False) -> bool:
+    """A record goes into data.jsonl unless flagged; truncated ones too with --include-truncated, ones with empty
+    reasoning too with --allow-empty-reasoning."""
+    rest = set(flags)
+    if include_truncated:
+        rest -= set(TRUNCATED_FINISH_REASONS)
+    if allow_empty_reasoning:
+        rest.discard(EMPTY_REASONING_FLAG)
+    return not rest
+
+
+def empty_reasoning_tripped(empty: int, judged: int, max_share: float) -> bool:
+    """Whether the share of responses without reasoning is clearly above ``max_share``: at least GUARD_MIN_SAMPLE
+    responses judged, and the Wilson lower bound (99%) of the share above it. A server that drops the reasoning
+    trips it at GUARD_MIN_SAMPLE; a few legitimately empty answers among many never do."""
+    if judged < GUARD_MIN_SAMPLE or empty == 0:
+        return False
+    p, n, z2 = empty / judged, judged, GUARD_Z**2
+    lower = (p + z2 / (2 * n) - GUARD_Z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+    return lower > max_share
 
 
 def training_row(qid: str, prompt_ids: list[int], completion_ids: list[int], source: str) -> TrainingRow:
@@ -143,7 +165,7 @@ class RunStats:
     errors: int = 0
     retries: int = 0
     empty_reasoning: int = 0
-    guard_seen: int = 0  # finished requests the guard has judged (the first GUARD_WINDOW)
+    guard_seen: int = 0  # responses the guard has judged: the whole run's, finished before this process included
     guard_empty: int = 0  # of those, how many came back without reasoning
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -186,7 +208,6 @@ class Generator:
                                                     "thinking": cfg.shared.thinking}}
         self.in_flight = [0] * len(self.urls)
         self.stats = RunStats()
-        self.guard_limit = 0
         self.prompt_checked = False
         self.started = time.monotonic()
 
@@ -228,6 +249,8 @@ class Generator:
             except openai.APIStatusError as e:
                 status = e.status_code
                 kind = "http_5xx" if status >= 500 else f"http_{status}"
+                if status == 400 and CONTEXT_TOO_LONG.search(str(e)):
+                    kind = "context_too_long"  # fails the same way every time: the user may accept it as permanent
                 message, retry = f"HTTP {status}: {str(e)[:300]}", status >= 500 or status in (408, 429)
             except BadResponse as e:
                 kind, message, retry = "bad_response", str(e), False
@@ -280,12 +303,15 @@ class Generator:
             flags.append("short")
         if len(prompt_ids) + len(completion_ids) > self.cfg.shared.max_seq_len:
             flags.append("too_long")
+        empty = not (p.reasoning or "").strip()
+        if empty and self.cfg.shared.thinking:
+            flags.append(EMPTY_REASONING_FLAG)
         record = Response(id=q.id, messages=q.messages, reasoning=p.reasoning, content=p.content,
                           finish_reason=p.finish_reason, usage=p.usage, prompt_token_ids=list(prompt_ids),
                           completion_token_ids=list(completion_ids), server=url, latency_s=round(latency_s, 3),
                           token_ids_source=source, flags=flags, reasoning_field=p.reasoning_field)
         self.responses_out.write(record.to_json())
-        if completion_ids and trainable(flags, self.g.include_truncated):
+        if completion_ids and trainable(flags, self.g.include_truncated, self.g.allow_empty_reasoning):
             # vars(): the flat record as is; asdict() would deep-copy every id list (measurable client CPU)
             self.data_out.write(vars(training_row(q.id, prompt_ids, completion_ids, q.source)))
             self.stats.data_rows += 1
@@ -295,31 +321,36 @@ class Generator:
         st.flags.update(flags)
         st.prompt_tokens += len(prompt_ids)
         st.completion_tokens += len(completion_ids)
-        empty = not (p.reasoning or "").strip()
         st.empty_reasoning += empty
         self.progress.update(1, **self._fields())
-        if self.cfg.shared.thinking and st.guard_seen < GUARD_WINDOW:
+        if self.cfg.shared.thinking:
             st.guard_seen += 1
             if empty:
                 st.guard_empty += 1
                 st.first_empty = st.first_empty or {"id": q.id, "fields": p.message_fields,
                                                     "finish_reason": p.finish_reason}
-            self._check_guard()
+            self.check_guard()
 
-    def _check_guard(self) -> None:
-        """Trip as soon as the empty share of the first min(100, total) requests must exceed the allowed share."""
-        empty = self.stats.guard_empty
-        if empty > self.guard_limit:
-            fe = self.stats.first_empty
-            fields = ", ".join(f"{k}={v}" for k, v in fe["fields"].items())
-            raise EmptyReasoningError(
-                f"reasoning came back empty in {empty} of the first {self.stats.guard_seen} finished requests "
-                f"(allowed: {self.g.empty_reasoning_max_share:.0%} of the first {GUARD_WINDOW}). Fields read: "
-                f"{', '.join(REASONING_FIELDS)}, then any *reason*/*think* field. The server sent (request "
-                f"{fe['id']}, finish_reason {fe['finish_reason']}): {fields}. Start the server with "
-                "--reasoning-parser kimi_k2 (vLLM >= 0.16 names the field `reasoning`) and do not pass "
-                "include_reasoning=false; then rerun with --overwrite (synthetic/ holds the empty records)."
-            )
+    def check_guard(self) -> None:
+        """Stop the run when clearly more than the allowed share of the whole run's responses (finished earlier
+        included: ``stats.guard_seen``/``guard_empty`` start from them) came back without reasoning."""
+        st, share = self.stats, self.g.empty_reasoning_max_share
+        if not empty_reasoning_tripped(st.guard_empty, st.guard_seen, share):
+            return
+        fe = st.first_empty or {"id": "?", "fields": {}, "finish_reason": "?"}
+        fields = ", ".join(f"{k}={v}" for k, v in fe["fields"].items())
+        allow = "" if self.g.allow_empty_reasoning else (
+            " They are kept in responses.jsonl with the flag empty_reasoning and are not trained on.")
+        raise EmptyReasoningError(
+            f"reasoning came back empty in {st.guard_empty} of the {st.guard_seen} responses of this run (finished "
+            f"ones included; allowed: {share:.0%}).{allow} Fields read: {', '.join(REASONING_FIELDS)}, then any "
+            f"*reason*/*think* field. The server sent (request {fe['id']}, finish_reason {fe['finish_reason']}): "
+            f"{fields}. Start the server with --reasoning-parser kimi_k2 (vLLM >= 0.16 names the field "
+            "`reasoning`) and do not pass include_reasoning=false; then rerun with --retry-empty-reasoning, which "
+            f"asks only those {st.guard_empty} questions again and keeps every other finished response. If the "
+            "model really answers these without reasoning, raise --empty-reasoning-max-share (and pass "
+            "--allow-empty-reasoning to train on them)."
+        )
 
     def _check_prompt_ids(self, q, server_prompt_ids: list[int]) -> None:
         """Once: the server's prompt ids should equal our rendering; a mismatch means another tokenizer/template."""
@@ -379,7 +410,6 @@ class Generator:
 
     # -- driver ---------------------------------------------------------------------------------------------------
     async def run(self, todo: list) -> None:
-        self.guard_limit = int(self.g.empty_reasoning_max_share * min(GUARD_WINDOW, len(todo)))
         clients = [make_async_client(u, self.g.request_timeout_s, max_connections=self.g.concurrency + 8)
                    for u in self.urls]
         model = self.g.served_model_name or await _served_model(clients[0], self.urls[0])

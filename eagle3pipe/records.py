@@ -5,11 +5,14 @@ Writer and reader of each file import this module, so a format is defined exactl
     <data_dir>/
       prepared/     data.jsonl (TrainingRow)  questions.jsonl (Question)  errors.jsonl (DroppedRow)  provenance.json
       synthetic/    responses.jsonl (Response)  data.jsonl (TrainingRow)  errors.jsonl (RequestError)  provenance.json
+                    (written only when 01b finished)  run.json (01b's sampling settings, written at its start)
       hidden_states/  speculators-readable dataset + per-sample safetensors + manifest.json (see extract section)
       vocab/        draft vocabulary: counts, d2t, t2d (see vocab section)
       checkpoints/  step_N/ training checkpoints, final/ exported draft
       eval/         report.json, report.md, acceptance.png
       logs/         <stage>.log, one per stage, appended
+      locks/        <stage>.lock while a stage runs (StageLock: pid, host, start, command)
+      run_all/      <stage>.done markers of run_all.sh
 
 JSONL files are appended one flushed line per record; a crash can leave at most one torn last line, which
 ``repair_jsonl`` removes before the next run appends (the record it held is redone, never half-kept).
@@ -85,6 +88,11 @@ class DataDir:
     def synthetic_errors(self) -> Path:
         return self.synthetic / "errors.jsonl"
 
+    @property
+    def synthetic_run(self) -> Path:
+        """Settings of the 01b run that writes synthetic/, written at its start (a resume must match them)."""
+        return self.synthetic / "run.json"
+
     # stages 02-05
     @property
     def hidden_states(self) -> Path:
@@ -156,6 +164,11 @@ class DataDir:
         return self.checkpoints / "metrics.jsonl"
 
     @property
+    def train_run(self) -> Path:
+        """Architecture and data of the training run in checkpoints/ (``--resume`` refuses other ones)."""
+        return self.checkpoints / "run.json"
+
+    @property
     def train_curves(self) -> Path:
         return self.checkpoints / "curves.png"
 
@@ -183,6 +196,10 @@ class DataDir:
     # run_all.sh: a stage's done-marker, written only on success, holding the config hash it ran with
     def stage_marker(self, stage: str) -> Path:
         return self.root / "run_all" / f"{stage}.done"
+
+    # every stage door (cli.run_stage): held while the stage runs, so two copies of a stage never share a data dir
+    def stage_lock(self, stage: str) -> Path:
+        return self.root / "locks" / f"{stage}.lock"
 
     @property
     def logs(self) -> Path:
@@ -427,12 +444,17 @@ class Response:
             raise FormatError(f"{where}: response record does not match the Response format ({e})") from None
 
 
+# kinds of RequestError; also "http_NNN" for another HTTP status (e.g. http_400)
+REQUEST_ERROR_KINDS = ("timeout", "connection", "http_5xx", "bad_response", "context_too_long")
+
+
 @dataclass
 class RequestError:
-    """A question whose request failed after all retries (retried again on the next run)."""
+    """A question whose request failed after all retries (retried again on the next run, unless its kind is one
+    the user accepted as permanent: generate.permanent_error_kinds)."""
 
     id: str
-    kind: str  # timeout | connection | http_5xx | http_4xx | bad_response
+    kind: str  # one of REQUEST_ERROR_KINDS or http_NNN
     message: str
     attempts: int
     server: str
@@ -565,6 +587,31 @@ def read_provenance(path: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
+def write_synthetic_provenance(dd: DataDir, *, config_hash: str, config: dict, counts: dict,
+                               started: float) -> None:
+    """Mark synthetic/ as a finished 01b output: its provenance, with the size of data.jsonl as finished."""
+    data_bytes = dd.synthetic_data.stat().st_size if dd.synthetic_data.exists() else 0
+    write_provenance(dd.provenance(dd.synthetic), stage="generate", config_hash=config_hash, config=config,
+                     inputs=[str(dd.questions)], counts={**counts, "data_bytes": data_bytes}, started=started)
+
+
+def check_synthetic_finished(dd: DataDir) -> None:
+    """Raise FormatError unless synthetic/ is a finished 01b output.
+
+    Stage 01b writes synthetic/provenance.json (with the size of data.jsonl) only when every id finished or was
+    accepted as permanently bad, and deletes it before a rerun adds to the folder; anything else is partial."""
+    prov = read_provenance(dd.provenance(dd.synthetic))
+    fix = ("rerun 01b_generate_synthetic.py with the same settings until it exits 0 (finished ids are not sent "
+           "again), or read prepared/ with --input prepared")
+    if prov is None:
+        raise FormatError(f"{dd.synthetic} is not a finished stage 01b output (no {dd.provenance(dd.synthetic).name}: "
+                          f"01b stopped with errors, was interrupted, or is still running): {fix}")
+    size = prov.get("counts", {}).get("data_bytes")
+    now = dd.synthetic_data.stat().st_size if dd.synthetic_data.exists() else None
+    if size is None or now != size:
+        raise FormatError(f"{dd.synthetic_data} is not what stage 01b finished ({size} bytes then, {now} now): {fix}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Hidden states (stage 02): the layout `speculators train --data-path <data_dir>/hidden_states` trains from
 #
@@ -573,7 +620,7 @@ def read_provenance(path: Path) -> dict | None:
 #     hidden_states/hs_{i}.safetensors    i = row index in D. hidden_states [T, 4, H]: the aux layer states in
 #                                         ascending layer id (id k = residual stream entering decoder layer k),
 #                                         then the last decoder layer's output before the final norm; token_ids
-#                                         int64 [T] (= the row's input_ids). bf16: model dtype. fp8: float8_e4m3fn
+#                                         int64 [T] (= the row's input_ids). bf16: bfloat16. fp8: float8_e4m3fn
 #                                         values + hidden_states_scales float32 [T, 4, 1], one scale per token and
 #                                         state (hs_connectors' FP8 key and dequantisation, values * scales, which
 #                                         broadcasts; `--hidden-states-backend fp8` dequantises on read)
@@ -591,11 +638,21 @@ HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 
 
+HS_FILE_HEADER_BYTES = 320  # upper bound of one sample file's safetensors header (measured: 152-264 B)
+
+
 def hs_bytes_per_token(num_states: int, hidden_size: int, storage_dtype: str) -> int:
-    """Bytes one token costs on disk (states + token id, + scales for fp8), safetensors header excluded."""
+    """Bytes one token costs on disk (states + token id, + scales for fp8), safetensors header excluded. Exact for
+    what ``hidden_states_tensors`` writes: bf16 storage is bf16 whatever dtype the verifier ran in."""
     if storage_dtype == "fp8":
         return num_states * hidden_size + 4 * num_states + 8
     return num_states * hidden_size * 2 + 8
+
+
+def hs_bytes_estimate(num_tokens: int, num_samples: int, num_states: int, hidden_size: int,
+                      storage_dtype: str) -> int:
+    """Upper bound of the bytes ``num_samples`` sample files of ``num_tokens`` tokens in all take on disk."""
+    return num_tokens * hs_bytes_per_token(num_states, hidden_size, storage_dtype) + num_samples * HS_FILE_HEADER_BYTES
 
 
 def quantize_hidden_states(hidden_states):
@@ -614,8 +671,9 @@ def quantize_hidden_states(hidden_states):
 
 
 def hidden_states_tensors(hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> dict:
-    """The tensors of one sample file. ``hidden_states`` [T, n, H] in the model dtype, or already fp8 with
-    ``scales`` given (quantised on the GPU); ``token_ids`` [T]. CPU tensors are used as they are (no copy)."""
+    """The tensors of one sample file. ``hidden_states`` [T, n, H] in the model dtype (stored as bf16 for bf16
+    storage, whatever the model dtype), or already fp8 with ``scales`` given (quantised on the GPU); ``token_ids``
+    [T]. CPU bf16 tensors are used as they are (no copy)."""
     import torch
 
     if storage_dtype not in HS_STORAGE_DTYPES:
@@ -629,6 +687,8 @@ def hidden_states_tensors(hidden_states, token_ids, storage_dtype: str = "bf16",
         elif scales is None:
             raise ValueError("fp8 hidden_states given without their scales")
         tensors[HS_SCALES_KEY] = scales.to(torch.float32).contiguous().cpu()
+    else:
+        hidden_states = hidden_states.to(torch.bfloat16)  # what the manifest and the disk preflight say
     tensors[HS_KEY] = hidden_states.contiguous().cpu()
     return tensors
 
@@ -948,6 +1008,7 @@ def load_vocab_summary(path: Path) -> VocabSummary:
 #       scheduler.json         LR scheduler state_dict
 #       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
 #     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}) and per epoch eval
+#     run.json             {"settings": {...}}: draft architecture and data of the run, checked by --resume
 #     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
 #     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
 

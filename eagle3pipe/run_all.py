@@ -10,8 +10,12 @@ it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress
 server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
 written only after the stage exited 0.
 
-01b runs only when a vLLM URL is configured; without one it is skipped and 02/03 read ``prepared/``: the stages
-then get a resolved copy of the config with ``extract.input: prepared`` (``<data_dir>/run_all/resolved_config.yaml``).
+01b runs only when a vLLM URL is configured. Without one, 02/03 read ``synthetic/`` if an earlier 01b finished it
+(its provenance says so), else ``prepared/``: the stages then get a resolved copy of the config with
+``extract.input: prepared`` (``<data_dir>/run_all/resolved_config.yaml``). Training a thinking model (``thinking:
+true``) on prepared/'s human-written answers is refused unless ``--allow-human-answers``: after ``<think>`` the
+model writes its own reasoning, never those answers, and a draft trained on them is accepted far less (BENCHMARKS.md:
+acceptance length 1.17 vs 2.93 on regenerated answers).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, load_config
-from .records import DataDir, atomic_write_bytes
+from .records import DataDir, FormatError, atomic_write_bytes, check_synthetic_finished
 
 # (stage name = log name, script glob, config section it adds)
 STAGES = [
@@ -71,14 +75,32 @@ def stage_log_name(script: Path) -> str:
     return m.group(1) if m else script.stem
 
 
-def plan(config_path: str, vllm_url: list[str], repo: Path) -> list[dict]:
+def _synthetic_finished(dd: DataDir) -> bool:
+    try:
+        check_synthetic_finished(dd)
+    except FormatError:
+        return False
+    return True
+
+
+def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers: bool = False) -> list[dict]:
     overrides = {"shared": {"vllm_url": vllm_url}} if vllm_url else None
     cfg = load_config(config_path, overrides)
     has_server = bool(cfg.shared.vllm_url)
     extra: dict[str, list[str]] = {name: [] for name, _, _ in STAGES}
     dd = DataDir(cfg.data_dir)
     stage_config = str(Path(config_path).resolve())
-    if not has_server and cfg.extract.input != "prepared":
+    if not has_server and cfg.extract.input != "prepared" and _synthetic_finished(dd):
+        print(f"run_all: no vLLM URL; {dd.synthetic} was finished by an earlier 01b: stages read it", file=sys.stderr)
+    elif not has_server and cfg.extract.input != "prepared":
+        if cfg.shared.thinking and not allow_human_answers:
+            raise ConfigError(
+                "no vLLM URL (--vllm-url or shared.vllm_url): stage 01b would be skipped and the draft trained on "
+                "the datasets' human-written answers. With thinking on, the verifier writes its own reasoning after "
+                "<think> and never these answers, so such a draft is rarely accepted (BENCHMARKS.md: acceptance "
+                "length 1.17 trained on human answers vs 2.93 on answers the verifier regenerated). Pass --vllm-url "
+                "of a server running the verifier (--reasoning-parser kimi_k2), or --allow-human-answers to train "
+                "on the human answers anyway")
         # 01b is skipped, so 02 and 03 read stage 01's rows. Stages 03/04 have no --input flag: every stage gets
         # a resolved copy of the config with extract.input = prepared (kept beside the markers, for the record).
         cfg.extract.input = "prepared"
@@ -104,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("plan")
     pp.add_argument("--config", required=True)
     pp.add_argument("--vllm-url", nargs="+", default=[])
+    pp.add_argument("--allow-human-answers", action="store_true")
     pp.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
     sub.add_parser("data-dir").add_argument("--config", required=True)
     args = p.parse_args(argv)
@@ -111,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "data-dir":
             print(load_config(args.config).shared.data_dir)
             return 0
-        for row in plan(args.config, args.vllm_url, Path(args.repo)):
+        for row in plan(args.config, args.vllm_url, Path(args.repo), args.allow_human_answers):
             print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["log"], row["config"],
                              " ".join(row["extra"])]))
     except ConfigError as e:

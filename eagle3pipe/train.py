@@ -238,6 +238,40 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
     return None
 
 
+def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | None, manifest) -> None:
+    """--resume continues the same draft on the same data only. A fresh start records both in checkpoints/run.json;
+    a resume with another architecture (or warm start) or other hidden states / vocabulary is refused by name."""
+    import hashlib
+    import json
+
+    from .records import atomic_write_json
+
+    dd = DataDir(cfg.data_dir)
+    s, t = cfg.shared, cfg.train
+    now = {
+        "shared.verifier": str(Path(s.verifier).resolve()), "shared.aux_layer_ids": list(s.aux_layer_ids),
+        "shared.hidden_size": s.hidden_size, "shared.vocab_size": s.vocab_size,
+        "shared.draft_vocab_size": s.draft_vocab_size,
+        "train.finetune_from": str(Path(t.finetune_from).resolve()) if t.finetune_from else "",
+        "train.draft_num_heads": t.draft_num_heads, "train.draft_head_dim": t.draft_head_dim,
+        "train.draft_intermediate_size": t.draft_intermediate_size,
+        "hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens],
+        "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
+    }
+    before = json.loads(dd.train_run.read_text())["settings"] if dd.train_run.exists() else None
+    if resume_from is not None and before is None:
+        log.warning("--resume: %s has no record of the run's settings (%s): cannot check them", dd.checkpoints,
+                    dd.train_run.name)
+    elif resume_from is not None:
+        changed = [f"{k}: {before.get(k)!r} then, {v!r} now" for k, v in now.items() if before.get(k, v) != v]
+        if changed:
+            raise StageError(f"--resume: {resume_from[1]} belongs to a run with another draft or data ("
+                             f"{'; '.join(changed)}): restore those settings / inputs to resume it, or pass "
+                             "--overwrite instead of --resume to start over (deletes its checkpoints)")
+        return
+    atomic_write_json(dd.train_run, {"settings": now})
+
+
 def _truncate_metrics(path: Path, state: TrainingState) -> None:
     """Drop metric lines written after the checkpoint we resume from, so the log reads as one run."""
     if not path.exists():
@@ -264,6 +298,7 @@ def run_train(cfg: PipelineConfig) -> Path:
     device = resolve_device(t.device)
     resume_from = _prepare_checkpoints(cfg)
     train_ds, val_ds, manifest = build_data(cfg, device)
+    _check_resume_identity(cfg, resume_from, manifest)
     model, base_config = build_model(cfg, device)
     model.to(device)
     autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)

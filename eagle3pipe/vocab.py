@@ -23,6 +23,7 @@ from .records import (
     FormatError,
     TrainingRow,
     VocabSummary,
+    check_synthetic_finished,
     read_jsonl,
     read_provenance,
     save_vocab,
@@ -97,6 +98,8 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run the stage that writes it first (extract.input = "
                                 f"{cfg.extract.input!r})")
+    if cfg.extract.input == "synthetic":
+        check_synthetic_finished(dd)  # a partial 01b output is refused, naming 01b
     checkpoint = cfg.vocab.finetune_from or cfg.train.finetune_from
     config_hash = cfg.section_hash("shared", "vocab", "extract") + f":{checkpoint}"
     inputs = [str(path), checkpoint] if checkpoint else [str(path)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from eagle3pipe.records import (
     save_hs_manifest,
     save_hs_rows,
     write_jsonl_atomic,
+    write_synthetic_provenance,
 )
 
 TOY_VOCAB = 1088
@@ -120,9 +122,12 @@ def make_rows(num_rows: int, seed: int = 0, min_len: int = 20, max_len: int = 60
 
 
 def write_rows(data_dir: Path, rows: list[TrainingRow], which: str = "synthetic") -> Path:
+    """Rows as stage 01 or a finished stage 01b leaves them (01b's provenance included: 02/03 check it)."""
     dd = DataDir(data_dir)
     path = dd.synthetic_data if which == "synthetic" else dd.prepared_data
     write_jsonl_atomic(path, [r.to_json() for r in rows])
+    if which == "synthetic":
+        write_synthetic_provenance(dd, config_hash="test", config={}, counts={}, started=time.time())
     return path
 
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from eagle3pipe import extract as extract_mod
 from eagle3pipe import extract_worker
 from eagle3pipe import verifier as verifier_mod
-from eagle3pipe.cli import StageError
+from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.config import load_config
 from eagle3pipe.extract import run_extract
 from eagle3pipe.records import (
@@ -314,3 +314,46 @@ def test_extract_backend_settings_are_checked_at_start(tmp_path, toy_llama, extr
 
     with pytest.raises(ConfigError, match=fragment):
         make_cfg(tmp_path, toy_llama, **extract).validate("extract")
+
+
+def _door(data_dir: Path, verifier: Path, *flags: str, aux: list[int] = AUX) -> int:
+    """Stage 02 through its door (cli.run_stage, flags as on the command line); returns the exit status."""
+    argv = ["--data-dir", str(data_dir), "--verifier", str(verifier), "--input", "prepared", "--aux-layer-ids",
+            *map(str, aux), "--hidden-size", "128", "--device", "cpu", "--writer-threads", "2", *flags]
+    return run_stage("extract", extract_mod.STAGE, run_extract, None, argv)
+
+
+def test_storage_dtype_is_what_is_written_and_the_preflight_counts_those_bytes(tmp_path, toy_llama):
+    rows = write_rows(tmp_path, 5)
+    dd = DataDir(tmp_path)
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32", "--storage-dtype", "bf16") == 0
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert (manifest.model_dtype, manifest.storage_dtype) == ("float32", "bf16")
+    written = 0
+    for i, row in enumerate(rows):
+        with safe_open(str(dd.hs_file(i)), "pt") as f:
+            assert f.get_tensor("hidden_states").dtype == torch.bfloat16  # what the manifest says
+        written += dd.hs_file(i).stat().st_size
+    assert manifest.bytes == written
+    # the preflight's figure is the bytes written (+ at most one header bound per file), not half or double
+    from eagle3pipe.records import HS_FILE_HEADER_BYTES
+
+    line = next(x for x in dd.log_file(extract_mod.STAGE).read_text().splitlines() if "disk preflight" in x)
+    need = int(line.split(" bytes (")[0].rsplit(" ", 1)[1])
+    assert written <= need <= written + len(rows) * HS_FILE_HEADER_BYTES
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    assert tokens * 4 * 128 * 2 < written < tokens * 4 * 128 * 4  # 2 bytes per value on disk, not float32's 4
+
+
+def test_changed_settings_on_resume_are_named(tmp_path, toy_llama, capsys):
+    write_rows(tmp_path, 3)
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32") == 0
+    capsys.readouterr()
+    assert _door(tmp_path, toy_llama, "--model-dtype", "bfloat16", aux=[1, 4, 5]) == 2
+    err = capsys.readouterr().err
+    assert "model_dtype: 'float32' then, 'bfloat16' now" in err and "aux_layer_ids: [2, 4, 5] then" in err
+    assert "--overwrite" in err
+    # an interrupted run (no manifest yet, only work/run.json) is checked the same way
+    DataDir(tmp_path).hs_manifest.unlink()
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32", "--storage-dtype", "fp8") == 2
+    assert "storage_dtype: 'bf16' then, 'fp8' now" in capsys.readouterr().err

@@ -13,7 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.config import ConfigError, load_config
+from eagle3pipe.extract import run_extract
 from eagle3pipe.generate import run_generate
 from eagle3pipe.generate_requests import BadResponse, EmptyReasoningError, parse_completion
 from eagle3pipe.records import (
@@ -25,9 +27,11 @@ from eagle3pipe.records import (
     load_responses,
     load_training_rows,
     read_jsonl,
+    read_provenance,
     write_jsonl_atomic,
 )
 from eagle3pipe.server import api_base, parse_prometheus_text
+from eagle3pipe.vocab import run_vocab
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
@@ -47,7 +51,7 @@ def _completion(reasoning_field: str | None = "reasoning", reasoning: str = "let
     return body
 
 
-def _write_questions(data_dir, n: int) -> list[str]:
+def write_questions(data_dir, n: int) -> list[str]:
     qs = [Question(id=f"q{i:03d}", messages=[{"role": "user", "content": f"what is {i} + {i}?"}], source="drill")
           for i in range(n)]
     write_jsonl_atomic(DataDir(data_dir).questions, [q.to_json() for q in qs])
@@ -70,11 +74,24 @@ class _QuietHTTPServer(ThreadingHTTPServer):
         pass
 
 
+# vLLM 0.32's HTTP 400 body for a prompt over --max-model-len (vllm/renderers/params.py), as the server sends it
+CONTEXT_TOO_LONG_BODY = {"error": {"message": "This model's maximum context length is 2048 tokens. However, your "
+                                              "prompt contains 2100 input tokens, which exceeds this limit even "
+                                              "without any output tokens. Please reduce the length of the input "
+                                              "prompt.", "type": "BadRequestError", "param": "input_tokens",
+                                   "code": 400}}
+
+
 class StubServer:
-    """A local OpenAI-compatible HTTP server with scripted faults. ``mode``: how /v1/chat/completions misbehaves."""
+    """A local OpenAI-compatible HTTP server with scripted faults. ``mode``: how /v1/chat/completions misbehaves;
+    per user prompt: ``fail_for`` answer 500, ``too_long_for`` answer vLLM's context-length 400, ``empty_for``
+    answer without reasoning (each a set the test may change between runs)."""
 
     def __init__(self, mode: str, delay_s: float = 0.0, fail_first: int = 0):
         self.mode, self.delay_s, self.fail_first = mode, delay_s, fail_first
+        self.fail_for: set[str] = set()
+        self.too_long_for: set[str] = set()
+        self.empty_for: set[str] = set()
         self.requests: dict[str, int] = {}  # user prompt -> requests received
         self.scrapes = 0
         self.lock = threading.Lock()
@@ -115,9 +132,11 @@ class StubServer:
                     stub.requests[prompt] = stub.requests.get(prompt, 0) + 1
                     seen = stub.requests[prompt]
                 time.sleep(stub.delay_s)
-                if stub.mode == "fail_first" and seen <= stub.fail_first:
+                if (stub.mode == "fail_first" and seen <= stub.fail_first) or prompt in stub.fail_for:
                     self._send(500, json.dumps({"error": {"message": "engine hiccup", "code": 500}}))
-                elif stub.mode == "no_reasoning":
+                elif prompt in stub.too_long_for:
+                    self._send(400, json.dumps(CONTEXT_TOO_LONG_BODY))
+                elif stub.mode == "no_reasoning" or prompt in stub.empty_for:
                     self._send(200, json.dumps(_completion(reasoning_field=None)))
                 else:
                     self._send(200, json.dumps(_completion()))
@@ -185,27 +204,28 @@ def test_api_base_is_appended_in_one_place_and_v1_refused():
 
 
 def test_timeouts_are_retried_then_recorded_as_errors(tmp_path, toy_llama, toy_meta):
-    ids = _write_questions(tmp_path, 3)
+    ids = write_questions(tmp_path, 3)
     with StubServer("ok", delay_s=1.5) as stub:
         cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=0.3, max_retries=2,
                       retry_backoff_s=0.05)
-        summary = run_generate(cfg)
+        with pytest.raises(StageError, match=r"3 of 3 ids errored \(timeout 3"):  # errored ids fail the stage
+            run_generate(cfg)
         received = dict(stub.requests)
     errors = list(load_request_errors(DataDir(tmp_path).synthetic_errors))
     assert sorted(e.id for e in errors) == ids
     assert all(e.kind == "timeout" and e.attempts == 3 for e in errors)
     assert sorted(received.values()) == [3, 3, 3]  # the server saw 1 try + 2 retries per question
-    assert summary["retries"] == 6 and summary["finished"] == 0
     check = check_synthetic(DataDir(tmp_path), ids)
     assert check.ok() and check.errored == 3 and check.finished == 0
 
 
 def test_5xx_is_retried_and_then_succeeds_and_errors_are_retried_on_resume(tmp_path, toy_llama, toy_meta):
-    ids = _write_questions(tmp_path, 4)
+    ids = write_questions(tmp_path, 4)
     dd = DataDir(tmp_path)
     with StubServer("fail_first", fail_first=2) as stub:
         # run 1: one retry is not enough (2 failures per question): everything errors with kind http_5xx
-        run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url], max_retries=1, retry_backoff_s=0.05))
+        with pytest.raises(StageError, match="4 of 4 ids errored"):
+            run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url], max_retries=1, retry_backoff_s=0.05))
         first = list(load_request_errors(dd.synthetic_errors))
         assert [e.kind for e in first] == ["http_5xx"] * 4 and all(e.attempts == 2 for e in first)
         # run 2, same command: the errored ids are retried; the third try of each succeeds
@@ -223,7 +243,7 @@ def test_5xx_is_retried_and_then_succeeds_and_errors_are_retried_on_resume(tmp_p
 
 
 def test_server_without_reasoning_field_trips_the_guard(tmp_path, toy_llama, toy_meta):
-    _write_questions(tmp_path, 30)
+    write_questions(tmp_path, 30)
     with StubServer("no_reasoning") as stub:
         cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], concurrency=2)
         with pytest.raises(EmptyReasoningError) as err:
@@ -232,12 +252,12 @@ def test_server_without_reasoning_field_trips_the_guard(tmp_path, toy_llama, toy
     # names the fields it read and what the server sent instead
     assert "reasoning_content" in message and "content=str(1 chars)" in message
     assert "--reasoning-parser kimi_k2" in message
-    # tripped early: 5% of 30 allows 1 empty, so it stops at the 2nd, not after all 30
+    # tripped once the minimum sample (20) is judged, not after all 30
     assert len(list(read_jsonl(DataDir(tmp_path).responses))) < 30
 
 
 def test_queue_warning_suggests_the_concurrency_the_server_sustains(tmp_path, toy_llama, toy_meta, caplog):
-    _write_questions(tmp_path, 4)
+    write_questions(tmp_path, 4)
     with StubServer("ok", delay_s=1.2) as stub:
         cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=100.0, concurrency=4)
         cfg.shared.progress_every_s = 0.2
@@ -251,7 +271,7 @@ def test_queue_warning_suggests_the_concurrency_the_server_sustains(tmp_path, to
 
 
 def test_resume_repairs_torn_line_and_restores_missing_data_row(tmp_path, toy_llama, toy_meta):
-    ids = _write_questions(tmp_path, 3)
+    ids = write_questions(tmp_path, 3)
     dd = DataDir(tmp_path)
     done = Response(id=ids[0], messages=[], reasoning="r", content="c", finish_reason="stop", usage={},
                     prompt_token_ids=[1, 2], completion_token_ids=[3, 4], server="x", latency_s=0.1)
@@ -265,4 +285,141 @@ def test_resume_repairs_torn_line_and_restores_missing_data_row(tmp_path, toy_ll
     rows = {r.id: r for r in load_training_rows(dd.synthetic_data)}
     assert rows[ids[0]].input_ids == [1, 2, 3, 4] and rows[ids[0]].loss_mask == [0, 0, 1, 1]
     assert sorted(r.id for r in load_responses(dd.responses)) == ids
+    assert check_synthetic(dd, ids).ok()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long unattended runs (issue 12): through the stage door, flags parsed as on the command line
+
+
+def door_argv(data_dir, verifier, meta, url, *flags: str) -> list[str]:
+    """01b's command-line flags for the toy verifier and a stub server."""
+    return ["--data-dir", str(data_dir), "--verifier", str(verifier), "--vllm-url", url,
+            "--think-token-id", str(meta["think_token_id"]), "--response-token-id", str(meta["response_token_id"]),
+            "--served-model-name", "stub", "--min-completion-tokens", "1", "--progress-every-s", "0.5",
+            "--max-retries", "1", "--retry-backoff-s", "0.05", *flags]
+
+
+def _door(data_dir, verifier, meta, url, *flags: str) -> int:
+    """Stage 01b through cli.run_stage (what 01b_generate_synthetic.py calls); returns its exit status."""
+    return run_stage("generate", "01b_generate", run_generate, None, door_argv(data_dir, verifier, meta, url, *flags))
+
+
+def _vocab_door(data_dir, verifier) -> int:
+    argv = ["--data-dir", str(data_dir), "--verifier", str(verifier), "--vocab-size", "1088", "--draft-vocab-size",
+            "16", "--hidden-size", "128", "--aux-layer-ids", "2", "4", "5"]
+    return run_stage("vocab", "03_vocab", run_vocab, None, argv)
+
+
+def _extract_door(data_dir, verifier) -> int:
+    argv = ["--data-dir", str(data_dir), "--verifier", str(verifier), "--input", "synthetic", "--hidden-size", "128",
+            "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--model-dtype", "float32"]
+    return run_stage("extract", "02_extract_hidden_states", run_extract, None, argv)
+
+
+def test_errored_ids_fail_01b_later_stages_refuse_and_a_rerun_retries_exactly_them(tmp_path, toy_llama, toy_meta,
+                                                                                     capsys):
+    ids = write_questions(tmp_path, 6)
+    dd = DataDir(tmp_path)
+    failing = {"what is 1 + 1?", "what is 4 + 4?"}
+    with StubServer("ok") as stub:
+        stub.fail_for = set(failing)
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url) == 2
+        err = capsys.readouterr().err
+        assert "2 of 6 ids errored (http_5xx 2" in err
+        assert "Rerun the same command to retry exactly these 2 ids" in err
+        assert not dd.provenance(dd.synthetic).exists()
+        # 03 and 02 refuse the partial synthetic/ (4 rows), naming stage 01b
+        assert _vocab_door(tmp_path, toy_llama) == 2
+        assert _extract_door(tmp_path, toy_llama) == 2
+        err = capsys.readouterr().err
+        refusals = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(refusals) == 2 and all("is not a finished stage 01b output" in line for line in refusals)
+        assert not dd.vocab_mapping.exists()
+        before = dict(stub.requests)
+        stub.fail_for.clear()
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url) == 0
+        sent_again = {p: n - before.get(p, 0) for p, n in stub.requests.items() if n != before.get(p, 0)}
+    assert sent_again == {p: 1 for p in failing}  # exactly the errored ids, once each
+    check = check_synthetic(dd, ids)
+    assert check.ok() and check.finished == 6 and check.errored == 0 and check.trained == 6
+    assert dd.provenance(dd.synthetic).exists()
+    assert _vocab_door(tmp_path, toy_llama) == 0
+
+
+def test_context_too_long_is_named_and_can_be_accepted_as_permanent(tmp_path, toy_llama, toy_meta, capsys):
+    write_questions(tmp_path / "a", 5)
+    write_questions(tmp_path / "b", 5)
+    dd = DataDir(tmp_path / "a")
+    with StubServer("ok") as stub:
+        stub.too_long_for = {"what is 2 + 2?"}
+        assert _door(tmp_path / "a", toy_llama, toy_meta, stub.url) == 2
+        err = capsys.readouterr().err
+        assert "1 of 5 ids errored (context_too_long 1" in err and "--permanent-error-kinds context_too_long" in err
+        sent = sum(stub.requests.values())
+        assert _door(tmp_path / "a", toy_llama, toy_meta, stub.url, "--permanent-error-kinds", "context_too_long") == 0
+        assert sum(stub.requests.values()) == sent  # the accepted id is not asked again
+        # another data dir: one 5xx id among 5 is within --max-error-share 0.2
+        stub.too_long_for, stub.fail_for = set(), {"what is 2 + 2?"}
+        assert _door(tmp_path / "b", toy_llama, toy_meta, stub.url, "--max-error-share", "0.2") == 0
+    assert [(e.id, e.kind) for e in load_request_errors(dd.synthetic_errors)] == [("q002", "context_too_long")]
+    prov = read_provenance(dd.provenance(dd.synthetic))
+    assert prov["counts"]["accepted_permanent"] == {"context_too_long": 1} and prov["counts"]["errored"] == 0
+    prov_b = read_provenance(DataDir(tmp_path / "b").provenance(DataDir(tmp_path / "b").synthetic))
+    assert prov_b["counts"]["errored_kinds"] == {"http_5xx": 1}
+
+
+def test_resume_with_other_sampling_settings_is_refused_by_name(tmp_path, toy_llama, toy_meta, capsys):
+    ids = write_questions(tmp_path, 4)
+    with StubServer("ok") as stub:
+        stub.fail_for = {"what is 3 + 3?"}  # the first run stops unfinished (no provenance.json), like a crash
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--temperature", "0.6") == 2
+        stub.fail_for.clear()
+        capsys.readouterr()
+        sent = sum(stub.requests.values())
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--temperature", "0.9",
+                     "--max-completion-tokens", "100") == 2
+        err = capsys.readouterr().err
+        assert "generate.temperature (0.6 then, 0.9 now)" in err
+        assert "generate.max_completion_tokens (8192 then, 100 now)" in err and "--overwrite" in err
+        assert sum(stub.requests.values()) == sent  # refused before any request
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--temperature", "0.6") == 0  # the original resumes
+    assert check_synthetic(DataDir(tmp_path), ids).finished == 4
+
+
+def test_guard_judges_the_whole_run_so_one_empty_answer_does_not_stop_a_resume(tmp_path, toy_llama, toy_meta,
+                                                                               capsys):
+    ids = write_questions(tmp_path, 40)
+    dd = DataDir(tmp_path)
+    with StubServer("ok") as stub:
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--max-samples", "38") == 0
+        stub.empty_for = {"what is 39 + 39?"}  # of the 2 left, one comes back without reasoning
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url) == 0
+    assert "1 of the 40 responses of this run have empty reasoning" in capsys.readouterr().err
+    flags = {r.id: r.flags for r in load_responses(dd.responses)}
+    assert flags["q039"] == ["empty_reasoning"] and not any(flags[i] for i in ids[:39])
+    assert sorted(r.id for r in load_training_rows(dd.synthetic_data)) == ids[:39]  # never trained on
+    assert dd.provenance(dd.synthetic).exists()
+
+
+def test_server_dropping_reasoning_trains_nothing_and_stays_stopped_until_retried(tmp_path, toy_llama, toy_meta,
+                                                                                  capsys):
+    ids = write_questions(tmp_path, 30)
+    dd = DataDir(tmp_path)
+    with StubServer("no_reasoning") as stub:
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--concurrency", "2") == 2
+        err = capsys.readouterr().err
+        assert "--retry-empty-reasoning" in err and "--overwrite" not in err  # never: it deletes finished work
+        first = len(list(load_responses(dd.responses)))
+        assert 20 <= first < 30
+        assert not dd.synthetic_data.exists() or not list(read_jsonl(dd.synthetic_data))  # nothing trainable
+        sent = sum(stub.requests.values())
+        # the same command again: the finished responses alone trip the guard, before any request
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--concurrency", "2") == 2
+        assert sum(stub.requests.values()) == sent and "--retry-empty-reasoning" in capsys.readouterr().err
+        stub.mode = "ok"  # the server fixed; ask the empty ones again, keep the rest
+        assert _door(tmp_path, toy_llama, toy_meta, stub.url, "--concurrency", "2", "--retry-empty-reasoning") == 0
+    responses = list(load_responses(dd.responses))
+    assert sorted(r.id for r in responses) == ids and all(r.reasoning and not r.flags for r in responses)
+    assert sorted(r.id for r in load_training_rows(dd.synthetic_data)) == ids
     assert check_synthetic(dd, ids).ok()

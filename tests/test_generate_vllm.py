@@ -22,6 +22,7 @@ import httpx2
 import pytest
 
 from eagle3pipe.chat import load_tokenizer, prompt_token_ids
+from eagle3pipe.cli import StageError
 from eagle3pipe.config import load_config
 from eagle3pipe.generate import run_generate
 from eagle3pipe.generate_requests import EmptyReasoningError
@@ -29,6 +30,7 @@ from eagle3pipe.records import (
     DataDir,
     Question,
     check_synthetic,
+    load_request_errors,
     load_responses,
     load_training_rows,
     read_jsonl,
@@ -197,7 +199,14 @@ def test_drill_server_killed_mid_run_then_restarted_and_resumed(tmp_path, vllm_s
     cfg = _config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra(stop=False), max_completion_tokens=48,
                   concurrency=4, max_retries=1, retry_backoff_s=0.2, include_truncated=True, temperature=0.6)
     outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.update(run_generate(cfg)))
+
+    def first_run() -> None:
+        try:
+            run_generate(cfg)
+        except StageError as e:  # ids errored while the server was down: the stage is not finished
+            outcome["error"] = str(e)
+
+    runner = threading.Thread(target=first_run)
     runner.start()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not dd.responses.exists() or
@@ -211,10 +220,13 @@ def test_drill_server_killed_mid_run_then_restarted_and_resumed(tmp_path, vllm_s
     print(f"server restarted in {vllm_server.start_seconds:.0f} s")
     assert first.ok(), first
     assert first.finished >= 20 and first.errored >= 1 and first.finished + first.errored == 120
+    assert f"{first.errored} of 120 ids errored" in outcome["error"]  # exit status 2, not a finished stage
+    assert not dd.provenance(dd.synthetic).exists()
     summary = run_generate(cfg)  # the same command again
     second = check_synthetic(dd, ids)
     print(f"drill run 2 (same command after restart): {second.figures()}; retried {summary['finished']} ids")
     assert second.ok() and second.finished == 120 and second.errored == 0 and second.trained == 120
+    assert dd.provenance(dd.synthetic).exists()
     assert summary["finished"] == first.errored  # only the errored ids were sent again
     lines = [d["id"] for d in read_jsonl(dd.responses)]
     assert len(lines) == len(set(lines)) == 120
@@ -270,3 +282,20 @@ def test_kimi_k25_toy_served_and_captured(tmp_path, vllm_server_k25, toy_kimi, t
     assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>[{")
     assert '<|tool_call_argument_begin|>{"city": "北京"}<|tool_call_end|>' in prompt
     assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\n3 C<|im_end|>" in prompt
+
+
+def test_prompt_over_the_context_is_a_named_error_kind_the_user_can_accept(tmp_path, vllm_server, toy_llama, toy_meta):
+    """The real server's 400 for a prompt over --max-model-len (2048) becomes kind context_too_long; 01b fails until
+    the user accepts that kind as permanent, and then finishes without asking it again."""
+    questions = _questions(tmp_path, 4)
+    questions[2].messages[-1]["content"] = "think " * 3000  # far over the server's 2048-token context
+    write_jsonl_atomic(DataDir(tmp_path).questions, [q.to_json() for q in questions])
+    with pytest.raises(StageError, match=r"1 of 4 ids errored \(context_too_long 1.*--permanent-error-kinds"):
+        run_generate(_config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra()))
+    errors = list(load_request_errors(DataDir(tmp_path).synthetic_errors))
+    assert [(e.id, e.kind, e.attempts) for e in errors] == [("q002", "context_too_long", 1)]  # not retried
+    assert "maximum context length" in errors[0].message
+    summary = run_generate(_config(tmp_path, toy_llama, toy_meta, vllm_server.url, _extra(),
+                                   permanent_error_kinds=["context_too_long"]))
+    assert summary["finished"] == 0 and summary["accepted_permanent"] == {"context_too_long": 1}
+    assert check_synthetic(DataDir(tmp_path), [q.id for q in questions]).finished == 3

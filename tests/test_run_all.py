@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3pipe.config import load_config
-from eagle3pipe.records import DataDir
+from eagle3pipe.config import ConfigError, load_config
+from eagle3pipe.records import DataDir, write_jsonl_atomic
 from eagle3pipe.run_all import STAGES, plan, stage_hashes
 from eagle3pipe.toy_reasoning import write_chat_datasets
+
+from test_generate import StubServer, write_questions
+from test_locks import _run_all_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +42,7 @@ def write_config(tmp_path: Path, verifier: Path, **sections) -> Path:
 
 def test_plan_skips_01b_without_url_and_hashes_cascade(tmp_path):
     cfg_path = write_config(tmp_path, tmp_path / "verifier")
-    rows = plan(str(cfg_path), [], REPO)
+    rows = plan(str(cfg_path), [], REPO, allow_human_answers=True)
     assert [r["name"] for r in rows] == [n for n, _, _ in STAGES if n != "01b_generate"]
     resolved = load_config(rows[0]["config"])  # every stage reads prepared/ (03 and 04 have no --input flag)
     assert all(r["config"] == rows[0]["config"] for r in rows) and resolved.extract.input == "prepared"
@@ -67,8 +70,10 @@ def _run_all(*args: str, **kw) -> subprocess.CompletedProcess:
 def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama):
     cfg_path = write_config(tmp_path, toy_llama)
     dd = DataDir(tmp_path / "data")
-    extract_log = Path(next(r for r in plan(str(cfg_path), [], REPO) if r["name"] == "02_extract")["log"])
-    proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract"],
+    extract_log = Path(next(r for r in plan(str(cfg_path), [], REPO, allow_human_answers=True)
+                            if r["name"] == "02_extract")["log"])
+    proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract",
+                             "--allow-human-answers"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -83,7 +88,7 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     assert not dd.stage_marker("02_extract").exists(), "stage 02 finished before the kill: nothing was tested"
     prepared_mtime = dd.prepared_data.stat().st_mtime_ns
 
-    done = _run_all("--config", str(cfg_path), "--to", "02_extract")
+    done = _run_all("--config", str(cfg_path), "--to", "02_extract", "--allow-human-answers")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "01_prepare: done before with this config" in done.stderr
     assert "02_extract: running" in done.stderr and "02_extract: finished" in done.stderr
@@ -92,10 +97,10 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     hs_files = list((dd.hidden_states).rglob("*.safetensors"))
     assert len(hs_files) == 40  # one per prepared row
 
-    again = _run_all("--config", str(cfg_path), "--to", "02_extract")  # everything done: both skipped
+    again = _run_all("--config", str(cfg_path), "--to", "02_extract", "--allow-human-answers")  # both skipped
     assert again.returncode == 0 and again.stderr.count("done before with this config") == 2
 
-    forced = _run_all("--config", str(cfg_path), "--only", "02", "--force")
+    forced = _run_all("--config", str(cfg_path), "--only", "02", "--force", "--allow-human-answers")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "02_extract: running" in forced.stderr and "01_prepare:" not in forced.stderr
     assert dd.prepared_data.stat().st_mtime_ns == prepared_mtime
@@ -105,10 +110,11 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
 def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama):
     cfg_path = write_config(tmp_path, toy_llama, prepare={"dataset": [str(tmp_path / "no_such.jsonl")]})
     dd = DataDir(tmp_path / "data")
-    res = _run_all("--config", str(cfg_path))
+    res = _run_all("--config", str(cfg_path), "--allow-human-answers")
     assert res.returncode != 0
-    assert f"FAILED at stage 01_prepare (exit status {res.returncode}); its log: {dd.log_file('01_prepare')}" \
-        in res.stderr
+    assert f"FAILED at stage 01_prepare (exit status {res.returncode}): " in res.stderr
+    assert "no_such.jsonl" in res.stderr.split("FAILED at stage 01_prepare")[1]  # the stage's own error, named
+    assert f"its log: {dd.log_file('01_prepare')}" in res.stderr
     assert "02_extract: running" not in res.stderr
     assert not dd.stage_marker("01_prepare").exists()
     assert "no_such.jsonl" in (dd.logs / "run_all.log").read_text()  # the stage's own error is in the run log
@@ -116,5 +122,50 @@ def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama
 
 def test_unknown_stage_name_is_refused(tmp_path):
     cfg_path = write_config(tmp_path, tmp_path / "verifier")
-    res = _run_all("--config", str(cfg_path), "--only", "07_deploy")
+    res = _run_all("--config", str(cfg_path), "--only", "07_deploy", "--allow-human-answers")
     assert res.returncode == 2 and "no stage '07_deploy'" in res.stderr
+
+
+def test_no_url_with_thinking_refuses_unless_human_answers_are_allowed(tmp_path):
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    dd = DataDir(tmp_path / "data")
+    res = _run_all("--config", str(cfg_path), "--to", "01_prepare")
+    assert res.returncode == 2
+    assert "--allow-human-answers" in res.stderr and "--vllm-url" in res.stderr and "1.17" in res.stderr
+    assert "never these answers" in res.stderr  # says why
+    assert not dd.log_file("01_prepare").exists()  # refused before any stage ran
+    with pytest.raises(ConfigError, match="--allow-human-answers"):
+        plan(str(cfg_path), [], REPO)
+    assert plan(str(cfg_path), [], REPO, allow_human_answers=True)
+    assert load_config(plan(str(write_config(tmp_path, tmp_path / "verifier", shared={"thinking": False})), [],
+                            REPO)[0]["config"]).extract.input == "prepared"  # thinking off: human answers fit
+    # an earlier 01b finished synthetic/: no URL needed, the stages read it (not prepared/)
+    from eagle3pipe.records import write_synthetic_provenance
+
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    write_jsonl_atomic(dd.synthetic_data, [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1], "source": ""}])
+    write_synthetic_provenance(dd, config_hash="x", config={}, counts={}, started=0.0)
+    rows = plan(str(cfg_path), [], REPO)
+    assert all(r["config"] == str(cfg_path.resolve()) for r in rows) and "01b_generate" not in [r["name"] for r in rows]
+
+
+@pytest.mark.integration
+def test_run_all_stops_at_an_unfinished_01b_with_the_count_and_the_command_to_resume(tmp_path, toy_llama, toy_meta):
+    cfg_path = _run_all_config(tmp_path, toy_llama, toy_meta)
+    dd = DataDir(tmp_path / "data")
+    write_questions(dd.root, 3)
+    with StubServer("ok") as stub:
+        stub.fail_for = {"what is 2 + 2?"}
+        args = ("--config", str(cfg_path), "--vllm-url", stub.url, "--only", "01b")
+        res = _run_all(*args)
+        assert res.returncode == 2
+        assert "FAILED at stage 01b_generate (exit status 2): 1 of 3 ids errored (http_5xx 1" in res.stderr
+        assert f"resume with: {REPO / 'run_all.sh'} --config {cfg_path} --vllm-url {stub.url} --only 01b" in res.stderr
+        assert not dd.stage_marker("01b_generate").exists()
+        before = dict(stub.requests)
+        stub.fail_for.clear()
+        again = _run_all(*args)  # the resume command it printed
+        assert again.returncode == 0, again.stderr[-3000:]
+        sent_again = {p: n - before.get(p, 0) for p, n in stub.requests.items() if n != before.get(p, 0)}
+    assert sent_again == {"what is 2 + 2?": 1}
+    assert dd.stage_marker("01b_generate").is_file()
