@@ -1,21 +1,23 @@
 """Stage 02's vLLM backend on CPU: its tokens/s against the server's plain prefill of the same prompts and against
 the transformers backend, side by side in one run; and the fp8 scale rule (per token vs per token and state).
 
-Same toy verifier, same rows (random ids, ``--rows`` of ``--min-len``..``--max-len`` tokens), same concurrency:
+Same toy verifier, same rows (random ids, ``--rows`` of ``--min-len``..``--max-len`` tokens), same concurrency,
+requests sent the same way (``/v1/completions``, the row as the prompt, ``max_tokens`` 1, bounded concurrency):
 
-1. plain prefill: a vLLM server with the same flags but no extraction; ``/v1/completions`` with the rows as
-   prompts, ``max_tokens`` 1, through the same async client code path (openai client, bounded concurrency);
-2. the vLLM backend: ``run_extract`` with ``--backend vllm --extract-url`` (the stage end to end: requests, lock
-   waits, file checks, journal, finalize), capture check off so both do the same requests;
-3. the transformers backend: ``run_extract`` in this process (CPU, the model dtype given).
+1. plain prefill: a vLLM server with the same flags but no extraction;
+2. vLLM's method alone: an extraction server whose connector gathers and writes nothing (bench/nowrite_connector.py);
+3. our connector: the extraction server the stage uses (gather, file written and fsynced), the same raw requests;
+4. the vLLM backend: ``run_extract --backend vllm --extract-url`` on that server (the stage end to end: requests,
+   lock waits, file checks, journal, finalize), capture check off so it sends the same requests;
+5. the transformers backend: ``run_extract`` in this process (CPU, the model dtype given).
 
-Server start-up is outside every timing. Each measured phase runs ``--repeats`` times; the table shows the median.
-The fp8 part quantises the toy K2.5's own stored states with both rules, then the same states with outlier
-channels injected into the late states (DeepSeek-family residual streams grow such channels; their size in K2.5
-is not measured here), and reports the per-state relative error.
+Server start-up is outside every timing. Each timing is the median of ``--repeats`` after a warm-up. The fp8 part
+quantises the toy K2.5's stored states with both rules, then the same states with outlier channels (x100 .. x10^4)
+injected into the last two states (DeepSeek-family residual streams grow such channels; their size in K2.5 is not
+measured here), and reports the median per-token relative error per state.
 
 Usage:
-    .venv/bin/python bench/bench_extract_vllm.py --flavour kimi_k25 --rows 48 --concurrency 8 --repeats 2
+    .venv/bin/python bench/bench_extract_vllm.py --flavour kimi_k25 --rows 48 --concurrency 8 --repeats 3
 """
 
 from __future__ import annotations
@@ -66,16 +68,23 @@ def make_cfg(data_dir: Path, verifier: Path, meta: dict, **extract):
     })
 
 
-async def plain_prefill(url: str, model: str, rows: list[list[int]], concurrency: int) -> None:
+async def raw_requests(url: str, model: str, rows: list[list[int]], concurrency: int,
+                       path_of=None) -> None:
+    """The rows as /v1/completions prompts (max_tokens 1); ``path_of(i)`` names the file a request asks for."""
+    import httpx2
+
     client = make_async_client(url, 600.0, max_connections=concurrency + 8)
     queue: asyncio.Queue = asyncio.Queue()
-    for ids in rows:
-        queue.put_nowait(ids)
+    for i, ids in enumerate(rows):
+        queue.put_nowait((i, ids))
 
     async def worker():
         while not queue.empty():
-            ids = queue.get_nowait()
-            await client.completions.with_raw_response.create(model=model, prompt=ids, max_tokens=1, temperature=0.0)
+            i, ids = queue.get_nowait()
+            body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+            if path_of is not None:
+                body["kv_transfer_params"] = {"hidden_states_path": path_of(i)}
+            await client.post("/completions", cast_to=httpx2.Response, body=body)
 
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     await client.close()
@@ -120,30 +129,50 @@ def main() -> None:
     extraction_flags = extract_vllm.server_args(base_cfg, work, num_layers, args.max_len + 1, cpu=True)
     plain_flags = ["--max-model-len", str(args.max_len + 1), "--no-enable-prefix-caching",
                    "--no-enable-chunked-prefill", "--dtype", args.model_dtype]
-    times: dict[str, list[float]] = {"plain prefill": [], "vllm backend": [], "transformers backend": []}
+    times: dict[str, list[float]] = {k: [] for k in ("plain prefill", "vLLM's method alone", "our connector",
+                                                     "vllm backend (stage)", "transformers backend (stage)")}
+
+    def measure(name: str, fn) -> None:
+        fn()  # warm-up
+        for _ in range(args.repeats):
+            times[name].append(timed(fn))
 
     with VllmServer(verifier, extra_args=plain_flags, trust_remote_code=trust, log_file=work / "plain.log") as srv:
-        asyncio.run(plain_prefill(srv.url, srv.served_model_name, rows[:4], 2))  # warm-up
-        for _ in range(args.repeats):
-            times["plain prefill"].append(timed(lambda: asyncio.run(
-                plain_prefill(srv.url, srv.served_model_name, rows, args.concurrency))))
+        measure("plain prefill", lambda: asyncio.run(raw_requests(srv.url, srv.served_model_name, rows,
+                                                                  args.concurrency)))
+    nowrite = list(extraction_flags)
+    kv = json.loads(nowrite[nowrite.index("--kv-transfer-config") + 1])
+    kv.update(kv_connector="NoWriteConnector", kv_connector_module_path="nowrite_connector")
+    nowrite[nowrite.index("--kv-transfer-config") + 1] = json.dumps(kv)
+    with VllmServer(verifier, extra_args=nowrite, trust_remote_code=trust, log_file=work / "nowrite.log",
+                    env={"PYTHONPATH": f"{REPO}:{REPO / 'bench'}"}) as srv:
+        measure("vLLM's method alone", lambda: asyncio.run(raw_requests(
+            srv.url, srv.served_model_name, rows, args.concurrency, lambda i: str(work / f"nw/hs_{i}.safetensors"))))
     with VllmServer(verifier, extra_args=extraction_flags, trust_remote_code=trust, log_file=work / "x.log",
                     env={"PYTHONPATH": str(REPO)}) as srv:
-        for r in range(args.repeats + 1):  # the first run warms up
-            d = work / f"vllm{r}"
+        measure("our connector", lambda: asyncio.run(raw_requests(
+            srv.url, srv.served_model_name, rows, args.concurrency, lambda i: str(work / f"raw/hs_{i}.safetensors"))))
+        runs = iter(range(1000))
+
+        def stage() -> None:
+            d = work / f"vllm{next(runs)}"
             shutil.copytree(work / "rows", d)
             cfg = make_cfg(d, verifier, meta, backend="vllm", model_dtype=args.model_dtype, extract_url=[srv.url],
                            concurrency=args.concurrency, verify_tokens=0)
             cfg.shared.trust_remote_code = trust
-            seconds = timed(lambda: run_extract(cfg))
-            if r:
-                times["vllm backend"].append(seconds)
-    for r in range(args.repeats):
-        d = work / f"hf{r}"
+            run_extract(cfg)
+
+        measure("vllm backend (stage)", stage)
+    hf_runs = iter(range(1000))
+
+    def hf_stage() -> None:
+        d = work / f"hf{next(hf_runs)}"
         shutil.copytree(work / "rows", d)
         cfg = make_cfg(d, verifier, meta, backend="transformers", model_dtype=args.model_dtype)
         cfg.shared.trust_remote_code = trust
-        times["transformers backend"].append(timed(lambda: run_extract(cfg)))
+        run_extract(cfg)
+
+    measure("transformers backend (stage)", hf_stage)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{args.flavour} toy, {args.rows} rows, {tokens} tokens, concurrency {args.concurrency}, "
@@ -153,15 +182,18 @@ def main() -> None:
     for k, v in med.items():
         print(f"| {k} | {v:.1f} | {tokens / v:.0f} | {med['plain prefill'] / v:.2f} |")
 
-    states = torch.cat([load_hidden_states(DataDir(work / "vllm1").hs_file(i))["hidden_states"].float()
+    states = torch.cat([load_hidden_states(DataDir(work / "vllm0").hs_file(i))["hidden_states"].float()
                         for i in range(args.rows)])  # [T, n, H]
-    spiked = states.clone()
     channels = torch.randperm(states.shape[-1], generator=torch.Generator().manual_seed(0))[:4]
-    spiked[:, -2:, channels] *= 100.0
-    print("\nfp8 median per-token relative error per state (aux states, then final):")
-    for name, s in (("toy K2.5 states", states), ("same, 4 channels x100 in the last two states", spiked)):
-        for rule, errs in fp8_errors(s).items():
-            print(f"| {name} | {rule} | {errs} |")
+    print("\nfp8: median per-token relative error per state (3 aux states, then the final one)")
+    print("| states | per token | per token and state |")
+    print("| --- | --- | --- |")
+    for factor in (1, 100, 1000, 10000):
+        spiked = states.clone()
+        spiked[:, -2:, channels] *= factor
+        errs = fp8_errors(spiked)
+        name = "toy K2.5 states" if factor == 1 else f"4 channels x{factor} in the last two states"
+        print(f"| {name} | {errs['per token']} | {errs['per token and state']} |")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx2  # the HTTP library the openai client is built on
+
 from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3pipe.vllm_connector"
-LOCK_POLL_S = 0.05
+LOCK_POLL_S = 0.05  # longest wait between two looks at a file's lock
 VERIFY_TOP_K = 5  # prompt_logprobs asked for in the capture check
 NEAR_TIE_NATS = 0.1  # the check forgives a different top-1 the server ranks within this of its own (bf16 near-ties)
 GPU_MEMORY_UTILIZATION = "0.85"  # below vLLM's 0.9: its profiler does not count the connector's per-request copy
@@ -139,6 +141,7 @@ async def wait_written(path: Path, timeout_s: float) -> None:
     until the file is renamed into place). Polls a non-blocking shared lock, so a dead server cannot hang us."""
     lock = Path(f"{path}.lock")
     deadline = time.monotonic() + timeout_s
+    delay = 0.001
     while True:
         try:
             fd = os.open(lock, os.O_RDONLY)
@@ -153,7 +156,8 @@ async def wait_written(path: Path, timeout_s: float) -> None:
             os.close(fd)
         if time.monotonic() > deadline:
             raise BadSample(f"{lock} still locked after {timeout_s:g} s: the server's writer did not finish")
-        await asyncio.sleep(LOCK_POLL_S)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, LOCK_POLL_S)
 
 
 def check_file(path: Path, ids: list[int], num_states: int, hidden_size: int, storage_dtype: str) -> tuple[int, bool]:
@@ -258,14 +262,15 @@ class Extractor:
         return self.in_flight.index(low)
 
     async def _request(self, idx: int, ids: list[int], path: Path, prompt_logprobs: bool) -> dict:
-        body = {"kv_transfer_params": {"hidden_states_path": str(path),
-                                       "storage_dtype": self.cfg.extract.storage_dtype}}
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "kv_transfer_params": {"hidden_states_path": str(path), "storage_dtype": self.cfg.extract.storage_dtype}}
         if prompt_logprobs:
             body["prompt_logprobs"] = VERIFY_TOP_K
-        raw = await self.clients[idx].completions.with_raw_response.create(
-            model=self.model, prompt=ids, max_tokens=1, temperature=0.0, extra_body=body,
-            timeout=self.cfg.extract.request_timeout_s)
-        return json.loads(raw.http_response.content)
+        # post() rather than completions.create(): the typed request builder walks every prompt token in Python
+        # (0.1 ms per token measured: a client core at 10k tok/s); timeouts, retries' error types are the same
+        response = await self.clients[idx].post("/completions", cast_to=httpx2.Response, body=body,
+                                                options={"timeout": self.cfg.extract.request_timeout_s})
+        return json.loads(response.content)
 
     async def one(self, item: Item, local_index: int, prompt_logprobs: bool = False) -> Outcome:
         """Request, wait, check one sample; retries included. The journal line is the caller's to write."""

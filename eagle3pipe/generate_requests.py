@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +26,7 @@ from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
 from .records import JsonlAppender, RequestError, Response, TrainingRow
-from .server import ServerMetrics, aread_metrics, make_async_client
+from .server import ServerMetrics, aread_metrics, backoff_delay_s, classify_request_error, make_async_client
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,6 @@ TRUNCATED_FINISH_REASONS = ("length", "abort", "repetition")
 EMPTY_REASONING_FLAG = "empty_reasoning"  # thinking on, no reasoning came back: not trained on unless allowed
 GUARD_MIN_SAMPLE = 20  # the empty-reasoning guard never judges fewer responses than this
 GUARD_Z = 2.576  # the guard trips when the 99% lower confidence bound of the empty share passes the allowed share
-CONTEXT_TOO_LONG = re.compile(r"maximum context length", re.IGNORECASE)  # vLLM's HTTP 400 for a too-long prompt
 REASONING_FIELDS = ("reasoning", "reasoning_content")  # vLLM >= 0.16, then older vLLM / other servers
 MAX_BACKOFF_S = 60.0
 METRICS_EVERY_S = 15.0  # cap on the /metrics scrape interval (progress lines may be rarer)
@@ -242,16 +240,11 @@ class Generator:
             t0 = time.monotonic()
             try:
                 resp = await self._ask(clients[idx], model, q)
-            except openai.APITimeoutError:
-                kind, message, retry = "timeout", f"no reply within {self.g.request_timeout_s:g} s", True
-            except openai.APIConnectionError as e:
-                kind, message, retry = "connection", f"{type(e.__cause__ or e).__name__}: {e}", True
-            except openai.APIStatusError as e:
-                status = e.status_code
-                kind = "http_5xx" if status >= 500 else f"http_{status}"
-                if status == 400 and CONTEXT_TOO_LONG.search(str(e)):
-                    kind = "context_too_long"  # fails the same way every time: the user may accept it as permanent
-                message, retry = f"HTTP {status}: {str(e)[:300]}", status >= 500 or status in (408, 429)
+            except openai.OpenAIError as e:
+                failure = classify_request_error(e, self.g.request_timeout_s)
+                if failure is None:
+                    raise
+                kind, message, retry = failure.kind, failure.message, failure.retryable
             except BadResponse as e:
                 kind, message, retry = "bad_response", str(e), False
             else:
@@ -265,7 +258,7 @@ class Generator:
             if not retry or attempt + 1 == attempts_allowed:
                 break
             self.stats.retries += 1
-            delay = min(MAX_BACKOFF_S, self.g.retry_backoff_s * 2**attempt) * random.uniform(0.8, 1.2)
+            delay = backoff_delay_s(attempt, self.g.retry_backoff_s, MAX_BACKOFF_S)
             log.debug("%s: %s on %s (attempt %d), retrying in %.1f s", q.id, kind, url, attempt + 1, delay)
             await asyncio.sleep(delay)
         attempts = attempt + 1 + self.previous_attempts.get(q.id, 0)

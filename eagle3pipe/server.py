@@ -65,6 +65,9 @@ def make_async_client(url: str, timeout_s: float, max_connections: int = 256):
     )
 
 
+CONTEXT_TOO_LONG = re.compile(r"maximum context length", re.IGNORECASE)  # vLLM's HTTP 400 for a too-long prompt
+
+
 @dataclass
 class RequestFailure:
     """Why a request to a vLLM server failed, and whether sending it again can help."""
@@ -85,8 +88,10 @@ def classify_request_error(error: BaseException, timeout_s: float) -> RequestFai
         return RequestFailure("connection", f"{type(error.__cause__ or error).__name__}: {error}", True)
     if isinstance(error, openai.APIStatusError):
         status = error.status_code
-        return RequestFailure("http_5xx" if status >= 500 else f"http_{status}", f"HTTP {status}: {str(error)[:300]}",
-                              status >= 500 or status in (408, 429))
+        kind = "http_5xx" if status >= 500 else f"http_{status}"
+        if status == 400 and CONTEXT_TOO_LONG.search(str(error)):
+            kind = "context_too_long"  # fails the same way every time: the user may accept it as permanent
+        return RequestFailure(kind, f"HTTP {status}: {str(error)[:300]}", status >= 500 or status in (408, 429))
     return None
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,9 +27,9 @@ import torch
 from eagle3pipe import extract_vllm
 from eagle3pipe.cli import StageError
 from eagle3pipe.extract import run_extract
-from eagle3pipe.records import DataDir, load_hidden_states, load_hs_journal, load_hs_manifest, read_jsonl
+from eagle3pipe.records import DataDir, load_hidden_states, load_hs_journal, load_hs_manifest
 from eagle3pipe.server import VllmServer, read_metrics
-from eagle3pipe.verifier import load_text_config, load_text_model
+from eagle3pipe.verifier import load_text_model
 
 from test_extract import AUX, make_cfg, write_rows
 
