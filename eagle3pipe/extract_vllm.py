@@ -126,7 +126,13 @@ def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_le
 
 
 class BadSample(Exception):
-    """The server answered but its file does not hold the row's states (retried, then reported)."""
+    """The server answered but its file does not hold the row's states: redone, and listed as dropped when it keeps
+    failing. ``config``: the server is set up otherwise than the stage (another storage folder, another dtype), so
+    every sample would fail the same way: the stage stops at once."""
+
+    def __init__(self, message: str, config: bool = False):
+        super().__init__(message)
+        self.config = config
 
 
 @dataclass
@@ -171,7 +177,7 @@ def check_file(path: Path, ids: list[int], num_states: int, hidden_size: int, st
         raise BadSample(str(e)) from None
     if dtype != HS_FILE_DTYPES[storage_dtype]:
         raise BadSample(f"{path}: hidden_states stored as {dtype}, extract.storage_dtype is {storage_dtype}: is the "
-                        "server's connector ours (eagle3pipe.vllm_connector)?")
+                        "server's connector ours (eagle3pipe.vllm_connector)?", config=True)
     if token_ids != ids:
         raise BadSample(f"{path}: token_ids differ from the row's input_ids ({len(token_ids)} vs {len(ids)} tokens)")
     if shape != (len(ids), num_states, hidden_size):
@@ -289,11 +295,14 @@ class Extractor:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
                 written = Path((reply.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
                 if written != path:
-                    raise BadSample(f"the server wrote {written or 'nothing'} instead of {path}: is it started with "
-                                    f"our connector, its storage folder {self.dd.hs_work.resolve()}?")
+                    raise BadSample(f"the server wrote {written or 'nothing'} instead of {path}: start it with our "
+                                    "connector (python -m eagle3pipe.extract_vllm prints the command) storing in "
+                                    f"{self.dd.hs_work.resolve()} or a folder above it", config=True)
                 await wait_written(path, ex.request_timeout_s)
                 size, finite = check_file(path, ids, self.num_states, self.hidden_size, ex.storage_dtype)
             except BadSample as e:
+                if e.config:
+                    raise StageError(str(e)) from None
                 failure = RequestFailure("bad_file", str(e), True)
             except Exception as e:
                 failure = classify_request_error(e, ex.request_timeout_s)
@@ -315,6 +324,10 @@ class Extractor:
                 break
             log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
         remove_sample_files(path)
+        if failure.kind == "bad_file":  # the server answers, but not with this row's states: listed, not retried again
+            log.warning("row %s (line %d): dropped, listed in errors.jsonl: %s", row_id, position + 1, failure.message)
+            return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
+                                          reason=f"file check failed {1 + ex.max_retries} times: {failure.message}"))
         return Outcome(None, failure)
 
     def record(self, outcome: Outcome) -> None:
