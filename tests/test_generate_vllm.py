@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -81,8 +82,9 @@ def _questions(data_dir, n: int, prefix: str = "q") -> list[Question]:
     return qs
 
 
-def _config(data_dir, verifier, meta, url, extra: dict, **generate):
-    cfg = load_config(None, {
+def _config(data_dir, verifier, meta, url, extra: dict, base: str | None = None, **generate):
+    """``base``: a YAML config the overrides go on top of (configs/kimi_k25.yaml for the release-shaped toy)."""
+    cfg = load_config(base, {
         "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "vllm_url": [url],
                    "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
                    "progress_every_s": 2.0, "max_seq_len": 2048},
@@ -274,7 +276,10 @@ def test_kimi_k25_toy_served_and_captured(tmp_path, vllm_server_k25, toy_kimi, t
     tool_messages = question_messages(normalize_messages(TOOL_ROW))
     questions.append(Question(id="tools", messages=tool_messages, source="toy", tools=normalize_tools(TOOL_ROW)))
     write_jsonl_atomic(DataDir(tmp_path).questions, [q.to_json() for q in questions])
-    summary = run_generate(_config(tmp_path, toy_kimi, toy_kimi_meta, vllm_server_k25.url, _extra(ids=RELEASE)))
+    # the K2.5 config as shipped (trust_remote_code, thinking), pointed at the toy: its ids, a short context
+    base = str(Path(__file__).resolve().parents[1] / "configs/kimi_k25.yaml")
+    summary = run_generate(_config(tmp_path, toy_kimi, toy_kimi_meta, vllm_server_k25.url, _extra(ids=RELEASE),
+                                   base=base))
     assert summary["finished"] == 6 and summary["errors"] == 0
     tokenizer = load_tokenizer(toy_kimi, trust_remote_code=True)
     responses = _check_capture(tmp_path, toy_kimi, questions, tokenizer, toy_kimi_meta["think_token_id"], RELEASE)

@@ -163,7 +163,8 @@ def test_release_shaped_toy_through_the_cli(tmp_path, toy_kimi, toy_kimi_meta, t
     src = tmp_path / "chats.jsonl"
     rows = {"openai": OPENAI_ROW, "tools": TOOL_ROW, "first": ASSISTANT_FIRST_ROW, "sharegpt": SHAREGPT_ROW}
     src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
-    args = ["--verifier", toy_kimi, "--think-token-id", toy_kimi_meta["think_token_id"], "--response-token-id",
+    args = ["--config", ROOT / "configs/kimi_k25.yaml",  # the K2.5 config as shipped, pointed at the toy
+            "--verifier", toy_kimi, "--think-token-id", toy_kimi_meta["think_token_id"], "--response-token-id",
             toy_kimi_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-seq-len", 1024,
             "--thinking" if thinking else "--no-thinking"]
     r = _run_script(*args, "--no-trust-remote-code")
