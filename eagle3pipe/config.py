@@ -105,7 +105,8 @@ class TrainConfig:
     eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     resume: bool = False  # continue from the newest checkpoint in checkpoints/
-    export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3, vLLM/SGLang) or "speculators"
+    export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3; one file vLLM and SGLang both read right:
+    # top-level aux ids for vLLM, eagle_config ids for SGLang) or "speculators" (speculators' format, vLLM)
     max_steps: int = 0  # stop after this many optimizer steps in total (the LR schedule still spans all epochs); 0 = no cap
     log_every: int = 10  # optimizer steps between metric lines in checkpoints/metrics.jsonl
     num_workers: int = 8  # data-loader worker processes reading hidden_states/ (0 = read in the training process)
