@@ -10,7 +10,10 @@ Reads:  <data_dir>/checkpoints/final (or --draft DIR), the verifier folder, --pr
         starts `vllm.entrypoints.openai.api_server` with --speculative-config (method eagle3) unless --eval-url,
         and a second one without the draft for the baseline unless --no-baseline / --baseline-url.
 Writes: <data_dir>/eval/{report.json, report.md, acceptance.png}, logs/05_evaluate.log, logs/05_vllm_*.log.
-Acceptance length = 1 + accepted / drafts from vLLM's /metrics counters (mean tokens per verify step).
+Acceptance length = 1 + accepted / drafts (mean tokens per verify step), from each response's own counters
+(vLLM --per-request-spec-decode-metrics, set on servers started here) or else the server's /metrics delta.
+Servers started here: CPU-only flags only on a CPU build of vLLM; --server-args replaces the defaults;
+--tensor-parallel-size, --trust-remote-code and the start timeout come from the config.
 All logic lives in eagle3pipe/evaluate.py.
 """
 

@@ -188,6 +188,8 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default="")
     p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--bare-tokens", type=int, nargs="+", default=[],
+                   help="also run the bare step at each of these packed-row lengths (peak memory vs total_seq_len)")
     p.add_argument("--samples", type=int, default=60, help="samples per e2e dataset")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--bare-steps", type=int, default=20)
@@ -212,6 +214,18 @@ def main() -> None:
         results["bare"] = bare_step(verifier, dims, aux, tokens, 3 if args.tiny else args.bare_steps,
                                     2 if args.tiny else 4, torch.device(device))
         log.info("bare: %s", results["bare"])
+    for n in args.bare_tokens:  # train.total_seq_len sweep: one row of n tokens per step, OOM recorded, not fatal
+        try:
+            row = bare_step(verifier, dims, aux, n, 3 if args.tiny else 5, 2, torch.device(device))
+        except torch.OutOfMemoryError as e:
+            row = {"oom": str(e).splitlines()[0]}
+            torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        results.setdefault("bare_sweep", {})[str(n)] = row
+        log.info("bare %d tokens: %s", n, row)
+        if args.out:
+            Path(args.out, "bench_train.json").write_text(json.dumps(results, indent=2) + "\n")
     if args.skip != "e2e":
         for storage in ("bf16", "fp8"):
             data = work / f"data_{storage}"

@@ -38,12 +38,16 @@ class SharedConfig:
     hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
     vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
     draft_vocab_size: int = 32000  # size of the draft's own vocabulary (top tokens by supervised frequency)
-    max_seq_len: int = 16384  # tokens per training sample, prompt + completion
+    max_seq_len: int = 32768  # tokens per sample, prompt + completion; longer rows are dropped (01) or flagged (01b).
+    # Must be <= train.total_seq_len (checked at start): speculators cuts a longer sample to one packed row and never
+    # trains the rest. Disk: 57 KB/token bf16 states for K2.5 (a 32768-token row = 1.9 GB; fp8 half)
     thinking: bool = True  # render prompts with thinking on (generation prompt ends with <think>)
     seed: int = 0  # seed for every random choice the stages make
     progress_every_s: float = 30.0  # seconds between plain progress lines when no terminal is attached
     vllm_url: list[str] = field(default_factory=list)  # base URL(s) of vLLM servers, e.g. http://host:8000 (no /v1)
-    trust_remote_code: bool = True  # pass trust_remote_code to tokenizer/config loads and --trust-remote-code to servers we start (the real K2.5 tokenizer is remote code)
+    # The real K2.5 tokenizer is remote code: trust_remote_code for tokenizer (and unknown config) loads, and
+    # --trust-remote-code for the servers the stages start.
+    trust_remote_code: bool = True
 
 
 @dataclass
@@ -113,18 +117,23 @@ class TrainConfig:
     finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder
     epochs: int = 3  # passes over the training split
     learning_rate: float = 1e-4  # peak AdamW learning rate
-    total_seq_len: int = 8192  # tokens packed per training row
+    total_seq_len: int = 32768  # tokens packed per training row (one optimizer step); >= shared.max_seq_len.
+    # K2.5 draft on one H200: 39.8 GiB peak at 8192 (measured), ~98 GiB at 32768 (estimated, README 04_train.py)
     ttt_steps: int = 3  # test-time-training unroll steps
     checkpoint_every: int = 500  # optimizer steps between checkpoints
     eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     resume: bool = False  # continue from the newest checkpoint in checkpoints/
-    export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3, vLLM/SGLang) or "speculators"
+    export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3; one file vLLM and SGLang both read right:
+    # top-level aux ids for vLLM, eagle_config ids for SGLang) or "speculators" (speculators' format, vLLM)
     max_steps: int = 0  # stop after this many optimizer steps in total (the LR schedule still spans all epochs); 0 = no cap
     log_every: int = 10  # optimizer steps between metric lines in checkpoints/metrics.jsonl
     num_workers: int = 8  # data-loader worker processes reading hidden_states/ (0 = read in the training process)
     attn_impl: str = "auto"  # draft attention: "auto" (flex on CUDA, sdpa on CPU), "simple_flex_attention", "sdpa", "eager"
-    warmup_ratio: float = 0.01  # share of all optimizer steps spent warming the LR up linearly (then cosine decay)
+    warmup_ratio: float = 0.01  # share of all optimizer steps spent warming the LR up linearly (then cosine decay);
+    # warm-up step i (from 0) runs at (i + 1) / warmup_steps of the peak, so the first update is never at rate 0
+    train_lm_head: bool = False  # also train the draft's lm_head (speculators freezes it: a fresh draft keeps the
+    # verifier's rows, a warm start its checkpoint's rows, a --rebuild map the verifier's rows for new tokens)
     draft_num_heads: int = 0  # new draft only: attention heads (0 = the verifier's count; K2.5: 64)
     draft_head_dim: int = 128  # new draft only: head dim (AQ-MedAI's K2 draft: 128; a warm start uses its checkpoint's)
     draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
@@ -144,7 +153,13 @@ class EvaluateConfig:
     eval_url: str = ""  # a running vLLM server already serving verifier + draft (no /v1); empty = start one
     baseline: bool = True  # also measure tokens/s without the draft (starts a second server unless --baseline-url)
     baseline_url: str = ""  # a running vLLM server serving the verifier without a draft (no /v1)
-    server_args: list[str] = field(default_factory=list)  # extra vLLM flags for servers started here
+    server_args: list[str] = field(default_factory=list)  # vLLM flags for servers started here; non-empty REPLACES
+    # the platform defaults (CPU: --enforce-eager; GPU: none). Always added: --model, --host, --port,
+    # --served-model-name, --speculative-config, --tensor-parallel-size, --trust-remote-code (shared.trust_remote_code)
+    vllm_platform: str = "auto"  # "auto" (ask the vLLM interpreter which platform it was built for), "cpu" or "gpu";
+    # CPU adds --enforce-eager and VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set in the environment); GPU adds neither
+    tensor_parallel_size: int = 0  # --tensor-parallel-size of servers started here; 0 = every GPU vLLM sees (CPU: 1)
+    server_start_timeout_s: float = 3600.0  # seconds to wait for a started server to answer (K2.5 loads for minutes)
 
 
 SECTIONS: dict[str, type] = {
@@ -197,6 +212,8 @@ class PipelineConfig:
                 raise ConfigError("prepare.dataset is empty: pass --dataset PATH_OR_HF_ID (repeatable)")
             if self.prepare.truncation not in ("drop", "truncate"):
                 raise ConfigError(f"prepare.truncation must be 'drop' or 'truncate', got {self.prepare.truncation!r}")
+        if stage in ("prepare", "generate", "extract", "train"):
+            self._validate_lengths()
         if stage in ("prepare", "generate", "extract") and not self.tokenizer_path:
             raise ConfigError("shared.verifier (or shared.tokenizer) is empty: pass --verifier DIR")
         if stage == "generate":
@@ -231,6 +248,10 @@ class PipelineConfig:
                 raise ConfigError("evaluate.num_speculative_tokens and evaluate.concurrency must be >= 1")
             if not ev.eval_url and not s.verifier:
                 raise ConfigError("shared.verifier is empty: pass --verifier DIR (or --eval-url of a running server)")
+            if ev.vllm_platform not in ("auto", "cpu", "gpu"):
+                raise ConfigError(f"evaluate.vllm_platform must be auto, cpu or gpu, got {ev.vllm_platform!r}")
+            if ev.tensor_parallel_size < 0 or ev.server_start_timeout_s <= 0:
+                raise ConfigError("evaluate.tensor_parallel_size must be >= 0 and evaluate.server_start_timeout_s > 0")
 
 
     def _validate_extract_backend(self) -> None:
@@ -249,6 +270,18 @@ class PipelineConfig:
             raise ConfigError("extract.request_timeout_s, retry_backoff_s and server_start_timeout_s must be > 0")
         if not 0.0 <= ex.verify_min_agreement <= 1.0:
             raise ConfigError(f"extract.verify_min_agreement must be in [0, 1], got {ex.verify_min_agreement}")
+
+    def _validate_lengths(self) -> None:
+        """Every row a stage keeps must fit one packed training row: speculators 0.9 cuts a longer sample to
+        ``total_seq_len`` tokens (its sampler clips the length, its collate copies only the first tokens), so the
+        rest would be generated, extracted (57 KB/token for K2.5) and stored, but never trained."""
+        s, t = self.shared, self.train
+        if s.max_seq_len > t.total_seq_len:
+            raise ConfigError(
+                f"shared.max_seq_len {s.max_seq_len} exceeds train.total_seq_len {t.total_seq_len}: rows up to "
+                f"{s.max_seq_len} tokens would be kept and extracted, and training would cut each to its first "
+                f"{t.total_seq_len} tokens. Lower shared.max_seq_len (--max-seq-len) or raise train.total_seq_len "
+                "(--total-seq-len) to at least it")
 
     def _validate_generate(self) -> None:
         g = self.generate

@@ -3,7 +3,9 @@
 The flat layout (``LlamaForCausalLMEagle3``; what AQ-MedAI publishes and vLLM/SGLang load)::
 
     config.json        llama decoder fields (hidden_size, intermediate_size, num_attention_heads, head_dim, ...),
-                       draft_vocab_size, vocab_size (verifier's), eagle_config.eagle_aux_hidden_state_layer_ids
+                       rope_parameters and the same rope as rope_theta / rope_scaling (older readers),
+                       draft_vocab_size, vocab_size (verifier's), eagle_aux_hidden_state_layer_ids (vLLM's meaning)
+                       and eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's: see sglang_aux_layer_ids)
     model.safetensors  midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]
                        midlayer.self_attn.{q,k,v}_proj.weight [heads*head_dim, 2H], o_proj [H, heads*head_dim]
                        midlayer.mlp.{gate,up}_proj.weight [I, H], down_proj [H, I]
@@ -59,7 +61,10 @@ class FlatCheckpoint:
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return list((self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+        """The aux ids the checkpoint declares ([] when none): the top-level key first (vLLM reads it first, in its
+        own meaning), else ``eagle_config``'s (AQ-MedAI / SpecForge; either convention, see train._check_aux_ids)."""
+        top = self.config.get("eagle_aux_hidden_state_layer_ids")
+        return list(top or (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
 
     @property
     def draft_vocab_size(self) -> int:
@@ -137,13 +142,14 @@ def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
             raise DraftFormatError(f"{config_path}: lacks '{key}'")
     if int(config.get("num_hidden_layers", 1)) != 1:
         raise DraftFormatError(f"{config_path}: num_hidden_layers {config['num_hidden_layers']}, only 1 is supported")
-    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not aux or len(aux) != 3:
-        raise DraftFormatError(f"{config_path}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 ids, "
-                               f"got {aux}")
+    for where, aux in (("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
+                       ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))):
+        if aux is not None and len(aux) != 3:  # absent is allowed: the engines then capture their default
+            raise DraftFormatError(f"{config_path}: {where} must list 3 ids, got {aux}")
 
     tensors = _read_safetensors_folder(folder)
-    expected = flat_tensor_shapes(config, num_aux=len(aux))
+    expected = flat_tensor_shapes(config, num_aux=3)
     optional = {"embed_tokens.weight": (int(config["vocab_size"]), int(config["hidden_size"]))}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - set(optional))
@@ -173,20 +179,20 @@ def layer_config_from_flat(config: dict):
     return LlamaConfig(num_hidden_layers=1, tie_word_embeddings=False, **fields)
 
 
-def verifier_text_config(verifier: str | Path):
-    """The verifier's text config (Kimi-K2.5's nested text_config unwrapped)."""
-    from transformers import AutoConfig
+def verifier_text_config(verifier: str | Path, trust_remote_code: bool = False):
+    """The verifier's text config (Kimi-K2.5's nested text_config unwrapped), loaded as stage 02 loads it."""
+    from .verifier import load_text_config
 
-    config = AutoConfig.from_pretrained(str(verifier))
-    return getattr(config, "text_config", None) or config
+    return load_text_config(verifier, trust_remote_code)[0]
 
 
-def fresh_layer_config(verifier: str | Path, num_heads: int, head_dim: int, intermediate_size: int):
+def fresh_layer_config(verifier: str | Path, num_heads: int, head_dim: int, intermediate_size: int,
+                       trust_remote_code: bool = False):
     """A new draft's LlamaConfig: hidden size, vocab, norm eps, rope and activation from the verifier; heads,
     head_dim and MLP width as given (0 = the verifier's head count / dense intermediate size)."""
     from transformers import LlamaConfig
 
-    text = verifier_text_config(verifier)
+    text = verifier_text_config(verifier, trust_remote_code)
     heads = num_heads or text.num_attention_heads
     return LlamaConfig(
         hidden_size=text.hidden_size,
@@ -302,9 +308,54 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The aux ids vLLM and SGLang capture when a draft names none: (2, L // 2, L - 3), states entering those
+    layers (vLLM's ``get_eagle3_default_aux_hidden_state_layers``, SGLang's ``layer_ids is None`` branch)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def sglang_aux_layer_ids(vllm_ids: list[int]) -> tuple[list[int], str]:
+    """What to write in ``eagle_config.eagle_aux_hidden_state_layer_ids`` (the only place SGLang reads) so that
+    SGLang captures the states entering layers ``vllm_ids``, and a warning ('' when every SGLang reads it right).
+
+    SGLang captures ``hidden_states + residual`` before layer i runs for each i in ``layers_to_capture`` (the same
+    state as vLLM's id i). Up to sglang#25454 (merged 2026-05-16) ``set_eagle3_layers_to_capture`` set
+    ``layers_to_capture = [id + 1 for id in ids]`` ("output of layer" convention); since then it adds one only when
+    the first id is 1. So ids starting at 2 (the default (2, L/2, L-3); K2.5: 2, 30, 58) are written minus one,
+    which every SGLang turns back into them; other ids cannot be read right by both SGLang generations."""
+    ids = list(vllm_ids)
+    if ids[0] == 2:
+        return [k - 1 for k in ids], ""
+    if ids[0] == 1:  # SGLang >= #25454 cannot name the state entering layer 1; older SGLang reads 0 + 1
+        return [k - 1 for k in ids], (f"SGLang since sglang#25454 cannot capture aux ids {ids} (a first id 1 gets "
+                                      "+1); the export serves SGLang before it")
+    return ids, (f"SGLang before sglang#25454 adds one to aux ids {ids}; the export serves SGLang since #25454 "
+                 "(ids not starting at 1 are used as written)")
+
+
+def legacy_rope_fields(rope_parameters: dict | None) -> dict:
+    """``rope_theta`` / ``rope_scaling`` equal to transformers 5's ``rope_parameters``, for readers that know only
+    the older fields (transformers 4.x, SGLang's llama: ``getattr(config, "rope_theta", 10000)``); without them
+    such a reader silently runs a fresh K2.5 draft (YaRN x64, theta 50000) with the plain theta-10000 rope.
+    transformers 5.19 reads a config holding both back to the same ``rope_parameters``."""
+    rope = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    theta = float(rope.pop("rope_theta", 10000.0))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    rope.setdefault("rope_type", kind)
+    rope.setdefault("type", kind)  # the key transformers < 4.45 and some engines read
+    return {"rope_theta": theta, "rope_scaling": rope}
+
+
 def flat_config(model, aux_layer_ids: list[int], base_config: dict | None = None, dtype: str = "bfloat16") -> dict:
     """config.json of the flat export. Starts from ``base_config`` (a warm start's own config keeps its extra
-    fields) and sets every field vLLM and SGLang read."""
+    fields) and sets every field vLLM and SGLang read.
+
+    Aux ids are written twice, because the engines read different keys with different meanings: top-level
+    ``eagle_aux_hidden_state_layer_ids`` = ``aux_layer_ids`` in vLLM's meaning (vLLM reads this key first, and it is
+    the only one vLLM read before vllm#42764), ``eagle_config.eagle_aux_hidden_state_layer_ids`` = what SGLang needs
+    to capture the same states (see ``sglang_aux_layer_ids``)."""
     layer = model.config.transformer_layer_config
     config = dict(base_config or {})
     layer_dict = layer.to_dict()
@@ -313,13 +364,15 @@ def flat_config(model, aux_layer_ids: list[int], base_config: dict | None = None
             continue
         if key in layer_dict and layer_dict[key] is not None:
             config[key] = layer_dict[key]
-    if "rope_parameters" in config:
-        config.pop("rope_theta", None)
-        config.pop("rope_scaling", None)
+    config.update(legacy_rope_fields(layer_dict.get("rope_parameters")))
+    sglang_ids, warning = sglang_aux_layer_ids(aux_layer_ids)
+    if warning:
+        log.warning("export: %s", warning)
     eagle_config = dict(config.get("eagle_config") or {})
-    eagle_config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    eagle_config["eagle_aux_hidden_state_layer_ids"] = sglang_ids
     eagle_config["use_aux_hidden_state"] = True
     config.update(
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
         architectures=["LlamaForCausalLMEagle3"],
         model_type="llama",
         num_hidden_layers=1,

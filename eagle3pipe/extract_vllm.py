@@ -55,8 +55,9 @@ from .server import (
     backoff_delay_s,
     classify_request_error,
     default_vllm_python,
+    ServerError,
     make_async_client,
-    vllm_is_cpu_build,
+    probe_vllm,
 )
 
 log = logging.getLogger(__name__)
@@ -109,16 +110,23 @@ def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_le
     """One extraction server for the verifier (a node: ``--tensor-parallel-size`` etc. in extract.server_args);
     more nodes are more servers, started by the user and given as ``--extract-url``."""
     python = default_vllm_python()
-    cpu = vllm_is_cpu_build(python)
+    try:
+        cpu = probe_vllm(python).platform == "cpu"
+    except ServerError as e:
+        raise StageError(str(e)) from None
     # the connector is imported by name in vLLM's processes: this repository must be on their path
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     server = VllmServer(cfg.shared.verifier, extra_args=server_args(cfg, dd.hs_work, num_layers, max_model_len, cpu),
                         log_file=dd.logs / "02_vllm_server.log", python=python, enforce_eager=cpu,
+                        kv_cache_gib=1 if cpu else None,
                         startup_timeout_s=cfg.extract.server_start_timeout_s, env={"PYTHONPATH": path},
                         trust_remote_code=cfg.shared.trust_remote_code)
     log.info("starting the extraction server (log %s); ids %s", server.log_file,
              layer_ids(cfg.shared.aux_layer_ids, num_layers))
-    return server.start()
+    try:
+        return server.start()
+    except ServerError as e:  # a known failure: the message holds the log's tail, not a traceback
+        raise StageError(f"{e}\n(extract.server_args, extract.server_start_timeout_s)") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

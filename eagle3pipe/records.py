@@ -1122,6 +1122,7 @@ def eval_markdown_table(report: dict) -> str:
         f"| tokens/s with draft | {fmt(wd.get('tokens_per_s'), '.1f')} |",
         f"| tokens/s without draft | {fmt(base.get('tokens_per_s') if base else None, '.1f')} |",
         f"| speedup | {fmt(report.get('speedup'), '.3f')} |",
+        f"| counted from | {wd.get('acceptance_source', 'server /metrics delta')} |",
         "",
         "| position | accepted | acceptance (accepted / drafts) |",
         "| --- | --- | --- |",

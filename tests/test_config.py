@@ -16,11 +16,13 @@ def test_kimi_k25_yaml_holds_the_issue_defaults():
     s, g = cfg.shared, cfg.generate
     assert (s.think_token_id, s.response_token_id) == (163606, 163607)
     assert s.aux_layer_ids == [2, 30, 58]
-    assert (s.hidden_size, s.vocab_size, s.draft_vocab_size, s.max_seq_len) == (7168, 163840, 32000, 16384)
+    assert (s.hidden_size, s.vocab_size, s.draft_vocab_size, s.max_seq_len) == (7168, 163840, 32000, 32768)
     assert (g.concurrency, g.request_timeout_s, g.max_completion_tokens, g.max_samples, g.min_completion_tokens) == (
-        128, 1800.0, 8192, 10000, 50)
+        128, 1800.0, 30720, 10000, 50)
+    assert cfg.train.total_seq_len >= s.max_seq_len > g.max_completion_tokens  # long reasoning fits, uncut
     assert (g.temperature, g.top_p) == (1.0, 0.95)  # Moonshot's thinking-mode sampling (0.6 is instant mode)
     assert s.trust_remote_code is True and s.thinking is True  # the release's tokenizer is remote code
+    assert cfg.extract.backend == "vllm"  # the int4 release does not fit transformers on one node
 
 
 def test_user_chat_template_kwargs_merge_with_thinking():
@@ -34,6 +36,31 @@ def test_user_chat_template_kwargs_merge_with_thinking():
     cfg.generate.request_extra_json = '{"chat_template_kwargs": {"thinking": false}}'
     with pytest.raises(ConfigError, match="--thinking/--no-thinking"):
         cfg.validate("generate")
+
+
+@pytest.mark.parametrize("name", ["kimi_k25.yaml", "demo.yaml"])
+def test_shipped_configs_pass_the_start_checks_of_every_stage(name):
+    cfg = load_config(ROOT / "configs" / name)
+    cfg.evaluate.prompts = "p.jsonl"
+    for stage in ("prepare", "extract", "vocab", "train", "evaluate"):
+        cfg.validate(stage)
+
+
+def test_rows_longer_than_training_uses_are_refused_at_start_naming_both_keys(tmp_path):
+    """Issue 12 item 5: 01 would keep (and 02 extract) rows that training cuts at total_seq_len; refused at start."""
+    y = tmp_path / "c.yaml"
+    y.write_text("shared:\n  max_seq_len: 16384\n  data_dir: " + str(tmp_path / "data") + "\n"
+                 "train:\n  total_seq_len: 8192\n")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    for script, extra in (("01_prepare_data.py", ["--dataset", str(chats)]), ("02_extract_hidden_states.py", []),
+                          ("04_train.py", [])):
+        r = subprocess.run([sys.executable, script, "--config", str(y), "--verifier", str(tmp_path), *extra],
+                           cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 2, (script, r.stderr)
+        assert "shared.max_seq_len 16384 exceeds train.total_seq_len 8192" in r.stderr, (script, r.stderr)
+        assert "--max-seq-len" in r.stderr and "--total-seq-len" in r.stderr
+    assert not (tmp_path / "data" / "prepared").exists()
 
 
 def test_demo_yaml_loads():

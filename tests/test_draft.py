@@ -96,7 +96,8 @@ def test_round_trip_load_export_equals_input(tmp_path, toy_llama):
         assert torch.equal(a[key], b[key]), key
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == TOY_AUX
+    assert config["eagle_aux_hidden_state_layer_ids"] == TOY_AUX  # vLLM's key and meaning
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in TOY_AUX]  # SGLang's
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] == TOY_VOCAB
     assert config["head_dim"] == DRAFT_HEAD_DIM and config["num_key_value_heads"] == DRAFT_KV_HEADS
     assert config["norm_before_residual"] is False and config["bos_token_id"] == 1008  # extra fields kept
@@ -197,3 +198,84 @@ def test_speculators_format_export_round_trips(tmp_path, toy_llama):
         if key in draft.VERIFIER_OWNED_KEYS:
             continue
         assert torch.equal(value.to(theirs[key].dtype), theirs[key]), key
+
+
+# SGLang cannot run here (no CPU build of it in this project): its rule is pinned from its source instead.
+# python/sglang/srt/model_executor/model_runner.py reads the draft's aux ids from
+# ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` only (None when absent); models' forward appends
+# ``hidden_states + residual`` before layer i for each i in ``layers_to_capture`` (the state entering layer i, vLLM's
+# id i); ``set_eagle3_layers_to_capture`` sets, when ids are given, ``[val + 1 for val in layer_ids]`` (llama.py, up
+# to sglang#25454) or, since #25454 (merged 2026-05-16), adds one only when the first id is 1; without ids it takes
+# ``[2, n // 2, n - 3]``.
+def sglang_captures(config: dict, num_layers: int, since_25454: bool) -> list[int]:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    if since_25454 and ids[0] != 1:
+        return list(ids)
+    return [k + 1 for k in ids]
+
+
+# vLLM 0.32 (.venv-vllm, v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``): the draft config's
+# top-level ``eagle_aux_hidden_state_layer_ids`` first, else ``eagle_config``'s, else the model's default; ids are
+# used as the layers whose input is captured (deepseek_v2.py: ``if idx in aux_hidden_state_layers: append(hidden +
+# residual)`` before layer idx runs). vLLM before vllm#42764 read only the top-level key. The integration test
+# test_train_vllm checks the running server's own log line for the ids it uses.
+def vllm_captures(config: dict, num_layers: int, reads_eagle_config: bool = True) -> list[int]:
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and reads_eagle_config:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else [2, num_layers // 2, num_layers - 3]
+
+
+@pytest.mark.parametrize("aux, both_sglang_ok", [([2, 4, 5], True), ([2, 30, 58], True), ([3, 4, 6], False)])
+def test_export_aux_ids_capture_the_trained_states_in_vllm_and_sglang(tmp_path, toy_llama, aux, both_sglang_ok):
+    src = make_flat_checkpoint(tmp_path / "aq", seed=10)
+    model, ck, _ = _load(src, toy_llama)
+    config = json.loads((draft.export_flat(model, tmp_path / "out", aux, base_config=ck.config) / "config.json")
+                        .read_text())
+    num_layers = 61  # the ids are the verifier's; only the default branch would read this
+    assert vllm_captures(config, num_layers) == aux
+    assert vllm_captures(config, num_layers, reads_eagle_config=False) == aux  # vLLM before #42764 too
+    assert sglang_captures(config, num_layers, since_25454=True) == aux
+    assert (sglang_captures(config, num_layers, since_25454=False) == aux) is both_sglang_ok
+    # what the export wrote before: vLLM's ids in eagle_config only; SGLang before #25454 read them one layer late
+    old = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
+    assert sglang_captures(old, num_layers, since_25454=False) == [k + 1 for k in aux]
+
+
+def test_fresh_draft_export_carries_the_verifier_rope_for_older_readers(tmp_path, toy_kimi):
+    from transformers import AutoConfig, LlamaConfig
+
+    verifier_rope = AutoConfig.from_pretrained(str(toy_kimi)).get_text_config().rope_parameters
+    assert verifier_rope["rope_type"] == "yarn" and verifier_rope["factor"] == 64.0  # K2.5's YaRN x64, theta 50000
+    layer = draft.fresh_layer_config(toy_kimi, 4, 64, 256)
+    ck = draft.read_flat_checkpoint(make_flat_checkpoint(tmp_path / "aq", seed=11, vocab_size=KIMI_VOCAB_SIZE))
+    model = draft.build_draft_model(layer, verifier=toy_kimi, aux_layer_ids=TOY_AUX, d2t=ck.d2t, t2d=ck.t2d,
+                                    ttt_steps=1, attn_impl="sdpa")
+    out = draft.export_flat(model, tmp_path / "out", TOY_AUX)
+    config = json.loads((out / "config.json").read_text())
+    # a reader that knows only the older fields (transformers 4.x; SGLang's llama: getattr(config, "rope_theta",
+    # 10000), getattr(config, "rope_scaling", None)) gets the draft's real rope, not theta 10000 without scaling
+    assert config["rope_theta"] == verifier_rope["rope_theta"] == 50000.0
+    legacy = config["rope_scaling"]
+    assert legacy["type"] == legacy["rope_type"] == "yarn"
+    assert {k: v for k, v in legacy.items() if k != "type"} == {
+        k: v for k, v in verifier_rope.items() if k not in ("rope_theta", "type")}
+    # transformers 5 reads the file (both spellings present) back to the rope the draft trained with
+    assert LlamaConfig.from_dict(config).rope_parameters == model.config.transformer_layer_config.rope_parameters
+    # a warm start whose own config carries legacy fields keeps them equal to its rope_parameters
+    warm, _, _ = _load(tmp_path / "aq", toy_kimi)  # rope_theta 10000, rope_scaling null in its config.json
+    default = json.loads((draft.export_flat(warm, tmp_path / "o2", TOY_AUX, base_config=ck.config) / "config.json")
+                         .read_text())
+    assert default["rope_theta"] == 10000.0 and default["rope_scaling"] is None
+    assert default["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_checkpoint_without_aux_ids_reads_and_says_none(tmp_path):
+    src = make_flat_checkpoint(tmp_path / "aq")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert draft.read_flat_checkpoint(src).aux_layer_ids == []
+    assert draft.default_aux_layer_ids(61) == [2, 30, 58]  # vLLM's and SGLang's default for K2.5's 61 layers

@@ -157,6 +157,7 @@ def toy_config(data_dir: Path, verifier: Path, **train):
     base.update(train)
     return load_config(None, {
         "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": TOY_AUX,
+                   "max_seq_len": base["total_seq_len"],
                    "hidden_size": TOY_HIDDEN, "vocab_size": TOY_VOCAB, "draft_vocab_size": DRAFT_VOCAB,
                    "progress_every_s": 1000.0, "think_token_id": 1020, "response_token_id": 1021},
         "train": base,

@@ -50,7 +50,7 @@ def test_train_toy_end_to_end_through_the_door(tmp_path, toy_llama):
             "--draft-vocab-size", "256", "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--epochs", "2",
             "--total-seq-len", "256", "--eval-fraction", "0.2", "--num-workers", "0", "--log-every", "1",
             "--checkpoint-every", "2", "--learning-rate", "3e-3", "--draft-num-heads", "4", "--draft-head-dim", "64",
-            "--draft-intermediate-size", "256"]
+            "--draft-intermediate-size", "256", "--max-seq-len", "256"]
     assert run_stage("train", "04_train", run_train, None, argv) == 0
     dd = DataDir(tmp_path)
     train = _metrics(tmp_path, "train")
@@ -163,3 +163,140 @@ def test_finetune_on_a_rebuilt_map_trains_from_remapped_rows(tmp_path, toy_llama
     assert len(kept) == summary.shared_with_checkpoint
     for i in kept:
         assert torch.equal(exported.tensors["lm_head.weight"][i], old[new_targets[i]])
+
+
+def _door_argv(data_dir, verifier, *extra: str) -> list[str]:
+    """04_train.py's flags for the toy (the door's argv, parsed and validated like the script's)."""
+    return ["--data-dir", str(data_dir), "--verifier", str(verifier), "--vocab-size", "1088", "--hidden-size", "128",
+            "--draft-vocab-size", "256", "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--epochs", "1",
+            "--total-seq-len", "256", "--max-seq-len", "256", "--eval-fraction", "0", "--num-workers", "0",
+            "--log-every", "1", "--draft-num-heads", "4", "--draft-head-dim", "64", "--draft-intermediate-size",
+            "256", *extra]
+
+
+def _train_door(argv, capsys) -> tuple[int, str]:
+    code = run_stage("train", "04_train", run_train, None, argv)
+    return code, capsys.readouterr().err
+
+
+# -- issue 12 item 5: rows longer than a packed training row --------------------------------------------------------
+
+
+def test_speculators_cuts_a_sample_longer_than_a_packed_row(tmp_path, toy_llama):
+    """What the refusal below prevents, pinned on speculators 0.9 itself: a sample longer than total_seq_len is
+    packed alone (its sampler clips the length) and its collate keeps only the first total_seq_len tokens."""
+    from speculators.train.data import ArrowDataset
+
+    from eagle3pipe.train import EpochBatches, make_loader, packed_batches
+
+    rows = make_rows(6, seed=20, min_len=30, max_len=50) + make_rows(1, seed=21, min_len=120, max_len=120)
+    cfg = _prepare(tmp_path, toy_llama, rows, total_seq_len=64, epochs=1, eval_fraction=0.0)
+    ds = ArrowDataset(max_len=64, datapath=str(DataDir(tmp_path).hidden_states), on_missing="raise",
+                      hidden_states_dtype=torch.float32)
+    batches = packed_batches(ds, 64, seed=0, epoch=0)
+    alone = [b for b in batches if 6 in b]
+    assert alone == [[6]]  # the 120-token sample fills a row by itself
+    sampler = EpochBatches()
+    sampler.set(alone)
+    batch = next(iter(make_loader(ds, sampler, cfg, torch.device("cpu"))))
+    kept = int((batch["document_ids"] == 0).sum())
+    assert kept == 64  # 64 of its 120 (119 after the one-token shift) positions reach the loss; the rest never do
+    assert torch.equal(batch["input_ids"][0, :kept], torch.tensor(rows[6].input_ids[1:65]))
+
+
+def test_samples_longer_than_a_packed_row_are_refused(tmp_path, toy_llama, capsys):
+    rows = make_rows(12, seed=22, min_len=40, max_len=60)
+    _prepare(tmp_path, toy_llama, rows)
+    code, err = _train_door(_door_argv(tmp_path, toy_llama, "--total-seq-len", "48", "--max-seq-len", "48"), capsys)
+    longest = max(len(r.input_ids) for r in rows)
+    assert code == 2 and "longer than train.total_seq_len 48" in err and f"longest {longest}" in err, err
+    assert not DataDir(tmp_path).final_checkpoint.exists()
+    # the config check names both keys before anything runs (every stage that keeps or uses rows)
+    code, err = _train_door(_door_argv(tmp_path, toy_llama, "--total-seq-len", "48", "--max-seq-len", "64"), capsys)
+    assert code == 2 and "shared.max_seq_len 64 exceeds train.total_seq_len 48" in err, err
+
+
+# -- issue 12 item 9: states from another verifier / config; the first update's rate; lm_head -----------------------
+
+
+def test_hidden_states_from_another_verifier_or_config_are_refused(tmp_path, toy_llama, capsys):
+    import shutil
+
+    from eagle3pipe.toy import build_toy_verifier
+
+    rows = make_rows(12, seed=23)
+    data = tmp_path / "d"
+    _prepare(data, toy_llama, rows)  # manifest: states from toy_llama
+    other = build_toy_verifier(tmp_path / "other", "llama", seed=5)  # same architecture, other weights
+    code, err = _train_door(_door_argv(data, other), capsys)
+    assert code == 2 and f"extracted from verifier {toy_llama.resolve()}" in err and f"--verifier is {other}" in err
+    copy = tmp_path / "copy"
+    shutil.copytree(toy_llama, copy)  # the same checkpoint at another path is accepted
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(yaml.safe_dump({"extract": {"storage_dtype": "fp8"}}))
+    code, err = _train_door(["--config", str(config_file), *_door_argv(data, copy)], capsys)
+    assert code == 2 and "storage_dtype bf16" in err and "extract.storage_dtype fp8" in err, err  # config != states
+    assert _train_door(_door_argv(data, copy, "--max-steps", "1"), capsys)[0] == 0
+
+
+def test_first_update_runs_at_a_nonzero_rate_and_metrics_log_the_rate_used(tmp_path, toy_llama):
+    import math
+
+    rows = make_rows(24, seed=24)
+    src = make_flat_checkpoint(tmp_path / "aq", seed=25)
+    data = tmp_path / "d"
+    peak, warmup_ratio = 1e-3, 0.3
+    cfg = _prepare(data, toy_llama, rows, finetune_from=str(src), learning_rate=peak, epochs=2, eval_fraction=0.0,
+                   warmup_ratio=warmup_ratio, total_seq_len=256, max_steps=1)
+    out = run_train(cfg)  # one update only
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    moved = [k for k in a if k not in ("d2t", "t2d", "lm_head.weight") and not torch.equal(a[k], b[k])]
+    assert "fc.weight" in moved and "midlayer.self_attn.q_proj.weight" in moved  # the first update changed weights
+    # a full run: every row's lr is the rate its own update used (independent schedule: linear warm-up from
+    # 1/W of the peak, then cosine to 0 after the last update)
+    cfg.train.max_steps, cfg.train.overwrite = 0, True
+    run_train(cfg)
+    train = _metrics(data, "train")
+    total = len(train)
+    warmup = math.ceil(warmup_ratio * total)
+    assert warmup >= 2
+    for row in train:
+        i = row["step"] - 1  # update index
+        want = peak * ((i + 1) / warmup if i < warmup else
+                       0.5 * (1 + math.cos(math.pi * (i - warmup) / (total - warmup))))
+        assert row["lr"] == pytest.approx(want, rel=1e-9), row["step"]
+    assert train[0]["lr"] == pytest.approx(peak / warmup) and train[-1]["lr"] > 0
+
+
+def test_train_lm_head_trains_the_draft_head_only_when_asked(tmp_path, toy_llama, capsys):
+    rows = make_rows(16, seed=26)
+    verifier_head = load_file(str(toy_llama / "model.safetensors"))["lm_head.weight"]
+    heads = {}
+    for flag in ("--no-train-lm-head", "--train-lm-head"):
+        data = tmp_path / flag.strip("-")
+        _prepare(data, toy_llama, rows)
+        code, err = _train_door(_door_argv(data, toy_llama, flag, "--learning-rate", "3e-3"), capsys)
+        assert code == 0, err
+        ck = draft.read_flat_checkpoint(DataDir(data).final_checkpoint)
+        rows_of_draft_vocab = verifier_head[torch.arange(256) + ck.d2t]  # the verifier's rows of the draft tokens
+        heads[flag] = (ck.tensors["lm_head.weight"], rows_of_draft_vocab)
+    frozen, rows_v = heads["--no-train-lm-head"]
+    assert torch.equal(frozen, rows_v)  # speculators' default: the verifier's rows, untrained
+    trained, rows_v = heads["--train-lm-head"]
+    assert not torch.equal(trained, rows_v)
+    assert (trained.float() - rows_v.float()).abs().max() > 1e-3
+
+
+def test_finetune_without_aux_ids_takes_the_verifier_default(tmp_path, toy_llama, caplog):
+    rows = make_rows(12, seed=27)
+    src = make_flat_checkpoint(tmp_path / "aq", seed=28)
+    config = json.loads((src / "config.json").read_text())
+    del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # as some SpecForge exports ship
+    (src / "config.json").write_text(json.dumps(config))
+    cfg = _prepare(tmp_path / "d", toy_llama, rows, finetune_from=str(src), learning_rate=0.0, epochs=1,
+                   eval_fraction=0.0)
+    with caplog.at_level("WARNING"):
+        out = run_train(cfg)
+    # the toy verifier has 8 layers: default (2, 8 // 2, 8 - 3) = (2, 4, 5), the layers our states hold
+    assert "names no aux layer ids" in caplog.text and "[2, 4, 5]" in caplog.text
+    assert draft.read_flat_checkpoint(out).aux_layer_ids == TOY_AUX

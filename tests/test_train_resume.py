@@ -20,7 +20,8 @@ def test_resume_with_another_draft_or_other_data_is_refused_by_name(tmp_path, to
     _prepare(tmp_path, toy_llama, make_rows(12, seed=6))
     argv = ["--data-dir", str(tmp_path), "--verifier", str(toy_llama), "--vocab-size", "1088", "--hidden-size", "128",
             "--draft-vocab-size", "256", "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--epochs", "2",
-            "--total-seq-len", "256", "--eval-fraction", "0", "--num-workers", "0", "--checkpoint-every", "1",
+            "--total-seq-len", "256", "--max-seq-len", "256", "--eval-fraction", "0", "--num-workers", "0",
+            "--checkpoint-every", "1",
             "--max-steps", "1", "--draft-num-heads", "4", "--draft-head-dim", "64", "--draft-intermediate-size", "256"]
     assert run_stage("train", "04_train", run_train, None, argv) == 0
     dd = DataDir(tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import httpx
 import pytest
@@ -53,6 +54,12 @@ def _serve_and_count(verifier, draft_dir, log_file):
             r.raise_for_status()
             texts.append(r.json()["choices"][0]["text"])
         after = srv.metrics()
+    # the states vLLM feeds the draft: the ids its model runner logs it took from the draft's config. The export
+    # also carries SGLang's ids (one less) in eagle_config; vLLM must take the top-level ones
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert "Using auxiliary layers from speculative config: (2, 4, 5)" in Path(log_file).read_text()
     return {"drafts": after.spec_decode_drafts - before.spec_decode_drafts,
             "accepted": after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens,
             "per_position": _per_position(before, after),
