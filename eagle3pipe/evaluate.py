@@ -170,6 +170,8 @@ def server_settings(cfg: PipelineConfig) -> dict:
         env = None
     platform = ev.vllm_platform if ev.vllm_platform != "auto" else env.platform
     on_cpu = platform == "cpu"
+    if env is None and not on_cpu and not ev.tensor_parallel_size:
+        raise StageError("vLLM could not be asked how many GPUs it sees: set evaluate.tensor_parallel_size")
     tp = ev.tensor_parallel_size or (env.device_count if env is not None and not on_cpu else 1)
     settings = {"extra_args": list(ev.server_args) if ev.server_args else (list(CPU_DEFAULT_ARGS) if on_cpu else []),
                 "enforce_eager": False, "kv_cache_gib": CPU_KV_CACHE_GIB if on_cpu else None,
