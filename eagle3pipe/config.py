@@ -99,6 +99,7 @@ class ExtractConfig:
     device_map: str = ""  # "" = whole verifier on each worker's device; "auto" = split layers over all GPUs (1 worker)
     writer_threads: int = 8  # background threads writing sample files (compute never waits on disk)
     max_pending_batches: int = 4  # batches computed but not yet written before the forward loop waits (memory cap)
+    compile: bool = False  # torch.compile each decoder layer (GPU: fuses elementwise ops; the first batches compile)
     overwrite: bool = False  # delete an existing hidden_states/ made from other inputs/config instead of refusing
 
 
