@@ -42,6 +42,9 @@ from .toy_tasks import Task, generate_tasks, human_chat_row, verifier_messages
 log = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1  # bump when the task mix or training changes, so cached verifiers are rebuilt
+# CPU training always uses this many torch threads: float sums then do not depend on the machine's core count, so
+# the same CPU kind rebuilds the shipped weights bit for bit (other CPU kinds: the same behaviour, tests pin it)
+CPU_TRAIN_THREADS = 2
 TRAIN_SEED_OFFSET = 1000  # training tasks come from seed + this; held-out and chat-dataset tasks from other streams
 HELD_OUT_SEED_OFFSET = 2000
 CHATS_SEED_OFFSET = 3000
@@ -187,8 +190,6 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
 
     ``steps`` and ``recipe_overrides`` (TrainRecipe fields) change the recipe; the cache key records them.
     """
-    from transformers import AutoModelForCausalLM
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
     overrides = dict(recipe_overrides or {}, **({"steps": steps} if steps is not None else {}))
@@ -200,6 +201,19 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     (out / "toy_reasoning.json").unlink(missing_ok=True)  # written last: its presence means "finished"
+    threads_before = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(CPU_TRAIN_THREADS)
+    try:
+        return _train(out, size, seed, device, recipe, max_minutes, accuracy_questions, started)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(out: Path, size: str, seed: int, device: str, recipe: TrainRecipe, max_minutes: float,
+           accuracy_questions: int, started: float) -> Path:
+    from transformers import AutoModelForCausalLM
+
     toy.build_tokenizer(out)
     tokenizer = load_tokenizer(out)
     torch.manual_seed(seed)
@@ -278,6 +292,8 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
         "held_out_greedy_accuracy": accuracy,
         "train_tokens": n_tokens,
         "device": str(dev),
+        "cpu_threads": CPU_TRAIN_THREADS if dev.type == "cpu" else None,
+        "torch": torch.__version__,
         "elapsed_s": round(time.time() - started, 1),
         "rebuild_command": f"python -m eagle3pipe.toy_reasoning --size {size} --seed {seed} --out {out}"
                            + (" --device cuda" if dev.type == "cuda" else ""),
