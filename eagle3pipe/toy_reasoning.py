@@ -6,8 +6,9 @@ trains one on ``toy_tasks``' seeded task mix rendered with the toy's K2.5-shaped
 reasoning model at work (low-entropy working, right answers), which is what the stages and the quality
 experiment need. Two sizes:
 
-- ``ci``: hidden 128, 8 layers; trains on 2 CPU cores in a few minutes;
-- ``bench``: hidden 256, 8 layers; trained once on a GPU (the H200), weights (< 16 MB) brought back and cached.
+- ``ci``: hidden 128, 8 layers; trains on 2 CPU cores in a few minutes; shipped in ``data/ci/verifier`` (the demo
+  and the tests use it; a test rebuilds it with this command and compares the two);
+- ``bench``: hidden 256, 8 layers; trained once on a GPU (the H200), shipped in ``data/bench/verifier``.
 
 Beside the model it writes ``toy_verifier.json`` (ids and sizes the config needs, same keys as ``toy.py``) and
 ``toy_reasoning.json`` (recipe, seed, final loss, greedy accuracy on held-out questions, the rebuild command). A
@@ -18,8 +19,8 @@ stage-01 input) and ``--eval-prompts FILE`` (held-out questions for stage 05, no
 
 Usage::
 
-    python -m eagle3pipe.toy_reasoning --size ci --out data/demo/verifier \\
-        --chats data/demo/chats.jsonl --eval-prompts data/demo/eval_prompts.jsonl
+    python -m eagle3pipe.toy_reasoning --size ci --out data/ci/verifier      # the shipped one (rebuild)
+    python -m eagle3pipe.toy_reasoning --chats data/demo/chats.jsonl --eval-prompts data/demo/eval_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from .toy_tasks import Task, generate_tasks, human_chat_row, verifier_messages
 log = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1  # bump when the task mix or training changes, so cached verifiers are rebuilt
-# CPU training always uses this many torch threads: float sums then do not depend on the machine's core count, so
-# the same CPU kind rebuilds the shipped weights bit for bit (other CPU kinds: the same behaviour, tests pin it)
-CPU_TRAIN_THREADS = 2
+# CPU training always uses one torch thread: float sums then do not depend on the machine's core count (the same CPU
+# kind rebuilds the shipped weights bit for bit; other kinds: the same behaviour, a test pins it), and on a shared
+# 2-core machine the toy's small ops ran 4-6x faster than with 2 threads, which wait on each other's time slices
+CPU_TRAIN_THREADS = 1
 TRAIN_SEED_OFFSET = 1000  # training tasks come from seed + this; held-out and chat-dataset tasks from other streams
 HELD_OUT_SEED_OFFSET = 2000
 CHATS_SEED_OFFSET = 3000
