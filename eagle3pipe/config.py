@@ -124,6 +124,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps in total (the LR schedule still spans all epochs); 0 = no cap
     log_every: int = 10  # optimizer steps between metric lines in checkpoints/metrics.jsonl
     num_workers: int = 8  # data-loader worker processes reading hidden_states/ (0 = read in the training process)
+    cpu_threads: int = 0  # torch threads when training on CPU (0 = torch's default; 1 suits toy drafts on shared cores)
     attn_impl: str = "auto"  # draft attention: "auto" (flex on CUDA, sdpa on CPU), "simple_flex_attention", "sdpa", "eager"
     warmup_ratio: float = 0.01  # share of all optimizer steps spent warming the LR up linearly (then cosine decay)
     draft_num_heads: int = 0  # new draft only: attention heads (0 = the verifier's count; K2.5: 64)
@@ -220,6 +221,8 @@ class PipelineConfig:
                 raise ConfigError(f"train.attn_impl must be auto, simple_flex_attention, sdpa or eager, got {t.attn_impl!r}")
             if t.ttt_steps < 1 or t.total_seq_len < 2 or t.checkpoint_every < 1 or t.log_every < 1 or t.epochs < 1:
                 raise ConfigError("train.ttt_steps, epochs, checkpoint_every, log_every must be >= 1 and total_seq_len >= 2")
+            if t.cpu_threads < 0:
+                raise ConfigError(f"train.cpu_threads must be >= 0 (0 = torch's default), got {t.cpu_threads}")
             if not 0.0 <= t.eval_fraction < 1.0:
                 raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
             if t.resume and t.overwrite:

@@ -299,6 +299,19 @@ def _truncate_metrics(path: Path, state: TrainingState) -> None:
 
 def run_train(cfg: PipelineConfig) -> Path:
     """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder."""
+    if resolve_device(cfg.train.device).type == "cpu" and cfg.train.cpu_threads:
+        # a toy draft's ops are small: with several threads each op waits for the slowest thread's time slice, and
+        # on a shared 2-core machine a step took 4-6x longer than with one thread (README, demo)
+        before = torch.get_num_threads()
+        torch.set_num_threads(cfg.train.cpu_threads)
+        try:
+            return _run_train(cfg)
+        finally:
+            torch.set_num_threads(before)
+    return _run_train(cfg)
+
+
+def _run_train(cfg: PipelineConfig) -> Path:
     from speculators.losses import resolve_loss_config
     from speculators.train.recovery import RECOVERY_METADATA_KEY
     from transformers import get_cosine_schedule_with_warmup

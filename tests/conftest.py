@@ -13,6 +13,18 @@ import pytest
 from eagle3pipe.server import VllmServer
 
 # ---------------------------------------------------------------------------------------------------------------
+# One torch thread in the test process: the toys' ops are small, and on a shared 2-core machine two threads wait on
+# each other's time slices at every op (a toy training step measured 4-6x slower with 2 threads than with 1 at load
+# average 3). Subprocesses (stage scripts, vLLM servers) keep their own settings.
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU tests (marker ``gpu``): run on the device machine (``pytest -m gpu``). Where no CUDA device is visible they
 # are deselected, and the summary says so: never counted as passed.
 
