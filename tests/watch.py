@@ -61,3 +61,17 @@ def run_watched(cmd: list[str], *, log_file: Path, stall_s: float = 600.0, env: 
         kill_group(proc.pid)  # whatever it left running in its group (nothing, when it ended cleanly)
         proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, log_file.read_text(errors="replace"), "")
+
+
+def wait_until(condition, proc: subprocess.Popen, what: str, stall_s: float = 300.0, poll_s: float = 0.05) -> None:
+    """Wait until ``condition()`` holds while ``proc`` (the leader of its own process group) keeps working; fail
+    when it ends first, or when its group used no CPU for ``stall_s`` seconds (stuck: no fixed wall limit)."""
+    last_cpu, last_progress = -1.0, time.monotonic()
+    while not condition():
+        assert proc.poll() is None, f"the process ended (status {proc.returncode}) before {what}"
+        cpu = group_cpu_seconds(proc.pid)
+        if cpu > last_cpu + 0.5:
+            last_cpu, last_progress = cpu, time.monotonic()
+        elif time.monotonic() - last_progress > stall_s:
+            raise Stalled(f"no {what}, and the process used no CPU for {stall_s:.0f} s")
+        time.sleep(poll_s)
