@@ -11,8 +11,8 @@
 #    itself is shipped in data/ci/verifier, trained once by `python -m eagle3pipe.toy_reasoning --size ci
 #    --out data/ci/verifier`, so the demo never trains it);
 # 3. starts a vLLM CPU server with the verifier (python -m eagle3pipe.server) and, while it starts, stage 01;
-#    then stages 01b -> 04 through run_all.sh (01b regenerates the answers with the verifier); stops the server;
-# 4. runs stage 05 through run_all.sh (it starts vLLM with the draft) and prints eval/report.md.
+#    then stage 01b through run_all.sh (it regenerates the answers with the verifier) and stops the server;
+# 4. stages 02 -> 05 through run_all.sh (05 starts vLLM with the draft) and prints eval/report.md.
 # The server is stopped on every way out: a normal end, an error, Ctrl-C, SIGTERM, and SIGKILL of this script
 # (the server process notices its parent is gone; if it is killed too, its guard stops vLLM).
 set -euo pipefail
@@ -81,11 +81,12 @@ EOF
       echo "demo: the vLLM server did not start; see $SERVER_LOG and $DATA_DIR/logs/demo_server.log" >&2; exit 1; }
     sleep 1
   done
-  log "vLLM ready; running stages 01b -> 04"
-  ./run_all.sh --config "$CONFIG" --vllm-url "$URL" --from 01b_generate --to 04_train "$@"
-  stop_server
-  log "generation server stopped; running stage 05"
-  ./run_all.sh --config "$CONFIG" --vllm-url "$URL" --only 05_evaluate "$@"
+  log "vLLM ready; running stage 01b"
+  ./run_all.sh --config "$CONFIG" --vllm-url "$URL" --only 01b_generate "$@"
+  stop_server  # the later stages do not need it: its cores go to them
+  log "generation server stopped; running stages 02 -> 05"
+  # the URL stays on the command line: with it, run_all reads 01b's output (synthetic/) in 02 and 03
+  ./run_all.sh --config "$CONFIG" --vllm-url "$URL" --from 02_extract "$@"
 
   echo
   echo "== Acceptance table ($DATA_DIR/eval/report.md; plot: $DATA_DIR/eval/acceptance.png) =="
