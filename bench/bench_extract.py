@@ -4,7 +4,7 @@ Measures, in one process (results appended to ``--out``/results.json as they com
 1. pure forward of the stack (capture hooks on, no lm_head), eager: tok/s and TFLOP/s for several batch shapes,
    and a torch.profiler table of one batch (where the forward waits: GPU busy share, host syncs);
 2. the GIL probe: the forward's time alone and while 8 threads write sample files with safetensors' ``save_file``
-   and with ours (``records.write_safetensors_atomic``, os.write from the buffer);
+   and with ours (``records.save_tensors_atomic``, os.write from the buffer);
 3. pure write bandwidth of sample files on the output disk with 1/4/8/16 threads;
 4. stage 02 end to end (``run_extract``: batching, capture, device-to-host ring, writer threads, journal, finalize)
    on synthetic rows, bf16 and fp8 storage, with the in-memory random model standing in for the checkpoint loader

@@ -185,7 +185,7 @@ class ShardWriter:
     """Writes computed batches from a thread pool, one task per sample, so every thread writes whatever is pending
     (a batch of long samples is not left to one thread). The forward loop waits only when ``max_pending`` batches
     are still unwritten (bounded host memory). Each sample: temporary name, fsync, rename, then one journal line.
-    The bytes go out with ``os.write`` from the host buffer (records.write_safetensors_atomic)."""
+    The bytes go out with ``os.write`` from the host buffer (records.save_tensors_atomic)."""
 
     def __init__(self, dd: DataDir, shard: int, storage_dtype: str, threads: int, max_pending: int,
                  progress: Progress):
