@@ -158,7 +158,7 @@ def drop_page_cache() -> bool:
 
 
 def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
-        skip_steps: int, drop_cache: bool) -> dict:
+        skip_steps: int, drop_cache: bool, log_every: int) -> dict:
     from eagle3pipe.train import run_train
 
     cfg = load_config(None, {
@@ -166,7 +166,7 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
                    "hidden_size": dims["hidden"], "vocab_size": dims["vocab"], "draft_vocab_size": dims["draft_vocab"],
                    "progress_every_s": 10.0},
         "train": {"epochs": 1, "total_seq_len": tokens, "eval_fraction": 0.0, "num_workers": workers,
-                  "log_every": 1, "checkpoint_every": 100000, "device": device, "draft_num_heads": dims["heads"],
+                  "log_every": log_every, "checkpoint_every": 100000, "device": device, "draft_num_heads": dims["heads"],
                   "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True},
     })
     cfg.validate("train")
@@ -175,11 +175,18 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
     run_train(cfg)
     wall = time.perf_counter() - t0
     rows = [r for r in read_jsonl(DataDir(data_dir).train_metrics) if r["kind"] == "train"]
-    a, b = rows[skip_steps - 1], rows[-1]
-    rate = (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"])
-    step_ms = 1000 * (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
-    return {"tokens_per_s": rate, "step_ms": step_ms, "steps": len(rows), "measured_steps": b["step"] - a["step"],
-            "wall_s": wall, "page_cache_dropped": dropped, "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
+    a = next(r for r in rows if r["step"] >= skip_steps)  # after compile and worker start-up
+    b = rows[-1]
+    steps = b["step"] - a["step"]
+    elapsed = b["elapsed_s"] - a["elapsed_s"]
+    rate = (b["tokens"] - a["tokens"]) / elapsed
+    step_ms = 1000 * elapsed / steps
+    return {"tokens_per_s": rate, "step_ms": step_ms, "steps": b["step"], "measured_steps": steps,
+            "measured_from_step": a["step"], "wall_s": wall, "page_cache_dropped": dropped,
+            # packing fill: real tokens per packed row / row slots (a property of the data's lengths, not the loader)
+            "packing_fill": (b["tokens"] - a["tokens"]) / (steps * tokens),
+            "loader_wait_ms_per_step": 1000 * (b["loader_wait_s"] - a["loader_wait_s"]) / steps,
+            "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
 def main() -> None:
@@ -190,7 +197,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--bare-tokens", type=int, nargs="+", default=[],
                    help="also run the bare step at each of these packed-row lengths (peak memory vs total_seq_len)")
-    p.add_argument("--samples", type=int, default=60, help="samples per e2e dataset")
+    p.add_argument("--samples", type=int, default=100, help="samples per e2e dataset")
+    p.add_argument("--log-every", type=int, default=4, help="e2e metric lines every N steps (each line syncs)")
+    p.add_argument("--skip-steps", type=int, default=8, help="e2e steps left out of the rate (compile, start-up)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--bare-steps", type=int, default=20)
     p.add_argument("--skip", choices=["none", "bare", "e2e"], default="none")
@@ -235,11 +244,13 @@ def main() -> None:
             workers = min(args.workers, 2) if args.tiny else args.workers
             try:
                 results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, workers, device,
-                                                skip_steps=1 if args.tiny else 4, drop_cache=args.drop_cache)
+                                                skip_steps=1 if args.tiny else args.skip_steps,
+                                                drop_cache=args.drop_cache, log_every=1 if args.tiny else args.log_every)
             except Exception:  # keep a number for the report: the same run with the loader in-process
                 log.exception("e2e %s with %d workers failed; again with 0", storage, workers)
                 results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, 0, device,
-                                                skip_steps=1 if args.tiny else 4, drop_cache=args.drop_cache)
+                                                skip_steps=1 if args.tiny else args.skip_steps,
+                                                drop_cache=args.drop_cache, log_every=1 if args.tiny else args.log_every)
                 results[f"e2e_{storage}"]["fallback_workers_0"] = True
             results[f"e2e_{storage}"]["data_tokens"] = n_tok
             log.info("e2e %s: %s", storage, results[f"e2e_{storage}"])
@@ -247,8 +258,9 @@ def main() -> None:
     if "bare" in results:
         for storage in ("bf16", "fp8"):
             if f"e2e_{storage}" in results:
-                results[f"e2e_{storage}"]["ratio_to_bare"] = (results[f"e2e_{storage}"]["tokens_per_s"]
-                                                              / results["bare"]["tokens_per_s"])
+                e = results[f"e2e_{storage}"]
+                e["tokens_per_s_ratio_to_bare"] = e["tokens_per_s"] / results["bare"]["tokens_per_s"]
+                e["step_time_ratio_bare_over_e2e"] = results["bare"]["step_ms"] / e["step_ms"]  # loader speed
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:

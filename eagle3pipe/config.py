@@ -103,6 +103,7 @@ class ExtractConfig:
     device_map: str = ""  # "" = whole verifier on each worker's device; "auto" = split layers over all GPUs (1 worker)
     writer_threads: int = 8  # background threads writing sample files (compute never waits on disk)
     max_pending_batches: int = 4  # batches computed but not yet written before the forward loop waits (memory cap)
+    compile: bool = False  # torch.compile each decoder layer (GPU: fuses elementwise ops; the first batches compile)
     overwrite: bool = False  # delete an existing hidden_states/ made from other inputs/config instead of refusing
 
 
@@ -129,6 +130,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many optimizer steps in total (the LR schedule still spans all epochs); 0 = no cap
     log_every: int = 10  # optimizer steps between metric lines in checkpoints/metrics.jsonl
     num_workers: int = 8  # data-loader worker processes reading hidden_states/ (0 = read in the training process)
+    cpu_threads: int = 0  # torch threads when training on CPU (0 = torch's default; 1 suits toy drafts on shared cores)
     attn_impl: str = "auto"  # draft attention: "auto" (flex on CUDA, sdpa on CPU), "simple_flex_attention", "sdpa", "eager"
     warmup_ratio: float = 0.01  # share of all optimizer steps spent warming the LR up linearly (then cosine decay);
     # warm-up step i (from 0) runs at (i + 1) / warmup_steps of the peak, so the first update is never at rate 0
@@ -236,6 +238,8 @@ class PipelineConfig:
                 raise ConfigError(f"train.attn_impl must be auto, simple_flex_attention, sdpa or eager, got {t.attn_impl!r}")
             if t.ttt_steps < 1 or t.total_seq_len < 2 or t.checkpoint_every < 1 or t.log_every < 1 or t.epochs < 1:
                 raise ConfigError("train.ttt_steps, epochs, checkpoint_every, log_every must be >= 1 and total_seq_len >= 2")
+            if t.cpu_threads < 0:
+                raise ConfigError(f"train.cpu_threads must be >= 0 (0 = torch's default), got {t.cpu_threads}")
             if not 0.0 <= t.eval_fraction < 1.0:
                 raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
             if t.resume and t.overwrite:

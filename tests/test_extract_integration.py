@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from eagle3pipe.extract import run_extract
 from eagle3pipe.records import DataDir, check_hidden_states_file, load_hidden_states, load_hs_journal, load_hs_rows
 
 from test_extract import AUX, make_cfg, write_rows
+from watch import run_watched, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
@@ -43,15 +43,11 @@ def test_resume_after_kill_skips_finished_and_leaves_nothing_half_written(tmp_pa
     dd = DataDir(tmp_path / "killed")
     proc = subprocess.Popen(_door_argv(tmp_path / "killed", toy_deepseek, "--batch-tokens", "1",
                                        "--writer-threads", "1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
-                                                                                     "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     journal = dd.hs_shard_journal(0)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if journal.exists() and journal.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    wait_until(lambda: journal.exists() and journal.read_text().count("\n") >= 3, proc, "3 journalled samples",
+               poll_s=0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not dd.hs_manifest.exists()  # not finished, and nothing says it is
@@ -134,17 +130,18 @@ def speculators_trains(data_dir: Path, verifier: Path, work: Path, storage_dtype
     script = work / "speculators_train.py"
     script.write_text(SPECULATORS_TRAIN)
     save = work / "ckpt"
-    out = subprocess.run(
+    out = run_watched(
         [sys.executable, str(script), "--verifier-name-or-path", str(verifier), "--data-path",
          str(DataDir(data_dir).hidden_states), "--speculator-type", "eagle3", "--save-path", str(save), "--epochs",
          "1", "--max-steps", "3", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers",
          "0", "--total-seq-len", "128", "--on-missing", "raise", "--target-layer-ids", *map(str, AUX),
          "--hidden-states-backend", storage_dtype if storage_dtype == "fp8" else "file", "--hidden-states-dtype",
          "bfloat16", "--train-data-ratio", "0.7"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"},
+        log_file=work / "speculators_train.out", stall_s=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"},
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    log = out.stdout + out.stderr
+    log = out.stdout  # stdout and stderr together
+    assert out.returncode == 0, log[-3000:]
     assert "Training epoch 1/1 completed" in log
     losses = [float(x) for x in re.findall(r"val/loss_epoch=([0-9.e+-]+)", log)]
     assert losses and all(0 < v < 1e3 for v in losses), log[-2000:]

@@ -1,11 +1,20 @@
-"""JSONL append/repair and atomic writes: a crash loses at most the record in flight, never silently."""
+"""JSONL append/repair and atomic writes: a crash loses at most the record in flight, never silently; the raw
+safetensors writer writes safetensors' own bytes."""
 
 import json
 import os
 
 import pytest
+import torch
 
-from eagle3pipe.records import FormatError, JsonlAppender, atomic_write_json, read_jsonl, repair_jsonl
+from eagle3pipe.records import (
+    FormatError,
+    JsonlAppender,
+    atomic_write_json,
+    read_jsonl,
+    repair_jsonl,
+    save_tensors_atomic,
+)
 
 
 def test_torn_last_line_is_repaired_and_appending_continues(tmp_path):
@@ -36,3 +45,26 @@ def test_atomic_write_leaves_no_temp_file(tmp_path):
     atomic_write_json(p, {"a": 2})
     assert json.loads(p.read_text()) == {"a": 2}
     assert os.listdir(p.parent) == ["x.json"]
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16", None), ("float32", None), ("float16", None), ("float8_e4m3fn", "float32")])
+def test_raw_safetensors_writer_writes_safetensors_own_bytes(tmp_path, dtypes):
+    """save_tensors_atomic (os.write from the tensors' memory) == safetensors.torch.save, byte for byte, and
+    safetensors reads it back (odd sizes: the header padding and every dtype's rank in the order are exercised)."""
+    from safetensors.torch import load_file, save
+
+    states_dtype, scales_dtype = (getattr(torch, d) if d else None for d in dtypes)
+    g = torch.Generator().manual_seed(0)
+    for t in (1, 7, 33):
+        tensors = {"token_ids": torch.randint(0, 1000, (t,), generator=g),
+                   "hidden_states": torch.randn(t, 4, 24, generator=g).to(states_dtype)}
+        if scales_dtype is not None:
+            tensors["hidden_states_scales"] = torch.rand(t, 1, 1, generator=g).to(scales_dtype)
+        path = tmp_path / f"s{t}.safetensors"
+        n = save_tensors_atomic(path, tensors)
+        assert path.read_bytes() == save(tensors) and n == path.stat().st_size
+        n = save_tensors_atomic(path, tensors, {"all_finite": "1"})  # the vLLM connector's metadata
+        assert path.read_bytes() == save(tensors, metadata={"all_finite": "1"}) and n == path.stat().st_size
+        back = load_file(str(path))
+        assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from eagle3pipe.toy_reasoning import write_chat_datasets
 
 from test_generate import StubServer, write_questions
 from test_locks import _run_all_config
+from watch import run_watched, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,10 @@ def test_plan_skips_01b_without_url_and_hashes_cascade(tmp_path):
 
 
 def _run_all(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REPO / "run_all.sh"), *args], capture_output=True, text=True, timeout=600, **kw)
+    """run_all.sh under the stall watchdog (no fixed wall limit); stdout and stderr together in both fields."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_watched([str(REPO / "run_all.sh"), *args], log_file=Path(tmp) / "run_all.out", stall_s=300, **kw)
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout, res.stdout)
 
 
 @pytest.mark.integration
@@ -75,12 +79,8 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract",
                              "--allow-human-answers"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not extract_log.exists():  # stage 02 has parsed its config and started working
-            assert proc.poll() is None, "run_all.sh ended before stage 02 started"
-            assert time.monotonic() < deadline, "stage 02 did not start within 300 s"
-            time.sleep(0.2)
+    try:  # until stage 02 has parsed its config and started working
+        wait_until(extract_log.exists, proc, "stage 02 log", poll_s=0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # run_all.sh, the stage and tee, as a crash or `kill -9` would
         proc.wait()

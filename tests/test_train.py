@@ -107,17 +107,39 @@ def test_resume_after_kill_continues_the_same_loss_curve(tmp_path, toy_llama):
 
 
 def test_fp8_hidden_states_are_dequantised_and_train(tmp_path, toy_llama):
+    """fp8 files travel through the loader as e4m3 + per-token scales and are dequantised after the copy; the batch
+    the draft sees equals, bit for bit, the one speculators' own path gives (FP8Transfer dequantises in the worker,
+    then its CollateFn packs)."""
+    from hs_connectors.transfer import FP8Transfer
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    from eagle3pipe.train import EpochBatches, make_loader, packed_batches
+    from eagle3pipe.train_data import device_batches
+
     rows = make_rows(12, seed=5)
     cfg = _prepare(tmp_path, toy_llama, rows, storage="fp8", epochs=1, eval_fraction=0.0)
     dd = DataDir(tmp_path)
     raw = load_file(str(dd.hs_file(0)))
     assert raw["hidden_states"].dtype == torch.float8_e4m3fn
     want = raw["hidden_states"].float() * raw["hidden_states_scales"].float()  # [T, 4, H]
-    train_ds, _, _ = build_data(cfg, torch.device("cpu"))
-    sample = train_ds[0]
-    torch.testing.assert_close(sample["hidden_states"].float(), want[:, :3].flatten(1))
-    torch.testing.assert_close(sample["verifier_last_hidden_states"].float(), want[:, 3])
     torch.testing.assert_close(load_hidden_states(dd.hs_file(0), torch.float32)["hidden_states"], want)
+    train_ds, _, _ = build_data(cfg, torch.device("cpu"))
+    assert train_ds[0]["hidden_states"].dtype == torch.float8_e4m3fn  # still quantised in the loader
+    sampler = EpochBatches()
+    sampler.set(packed_batches(train_ds, cfg.train.total_seq_len, cfg.shared.seed, 0))
+    ours = [gpu for _, gpu in device_batches(make_loader(train_ds, sampler, cfg, torch.device("cpu")),
+                                             torch.device("cpu"), torch.float32)]
+    theirs_ds = ArrowDataset(max_len=cfg.train.total_seq_len, datapath=str(dd.hidden_states), on_missing="raise",
+                             transfer=FP8Transfer(dd.hs_files, dequantize_dtype=torch.float32),
+                             hidden_states_dtype=torch.float32)
+    collate = CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, dtype=torch.float32, preprocess=shift_batch)
+    theirs = [collate([theirs_ds[i] for i in b]) for b in sampler]
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs):
+        assert set(a) == {k for k, v in b.items() if isinstance(v, torch.Tensor)}
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
     run_train(cfg)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _metrics(tmp_path, "train"))
 
@@ -300,3 +322,32 @@ def test_finetune_without_aux_ids_takes_the_verifier_default(tmp_path, toy_llama
     # the toy verifier has 8 layers: default (2, 8 // 2, 8 - 3) = (2, 4, 5), the layers our states hold
     assert "names no aux layer ids" in caplog.text and "[2, 4, 5]" in caplog.text
     assert draft.read_flat_checkpoint(out).aux_layer_ids == TOY_AUX
+
+
+@pytest.mark.parametrize("per_state", [False, True])
+def test_fp8_device_dequantisation_equals_hs_connectors(per_state):
+    """train_data.to_device on a collated fp8 batch == hs_connectors' dequantize_fp8_tensor per sample, bit for bit,
+    for one scale per token ([T, 1, 1]) and one per token and state ([T, 4, 1])."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    from eagle3pipe.train_data import FP8_SCALES, shift_batch_with_scales, to_device
+
+    g = torch.Generator().manual_seed(0)
+    h, lengths, max_len = 16, (7, 5), 16
+    ours, ref = [], []
+    for t in lengths:
+        values = (torch.randn(t, 4, h, generator=g) * 40).to(torch.float8_e4m3fn)
+        scales = torch.rand(t, 4 if per_state else 1, 1, generator=g) + 0.01
+        deq = dequantize_fp8_tensor(values, scales, dtype=torch.float32)  # [T, 4, H]
+        common = {"input_ids": torch.arange(t), "loss_mask": torch.ones(t, dtype=torch.long),
+                  "lengths": torch.tensor([t]), "position_ids": torch.arange(t)}
+        ours.append({**common, "hidden_states": values[:, :3].flatten(1), "verifier_last_hidden_states": values[:, 3],
+                     FP8_SCALES: scales.reshape(t, -1)})
+        ref.append({**common, "hidden_states": deq[:, :3].flatten(1), "verifier_last_hidden_states": deq[:, 3]})
+    a = to_device(CollateFn(max_len, h, dtype=torch.float8_e4m3fn, preprocess=shift_batch_with_scales)(ours),
+                  torch.device("cpu"), torch.float32)
+    b = CollateFn(max_len, h, dtype=torch.float32, preprocess=shift_batch)(ref)
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        assert a[key].dtype == torch.float32 and torch.equal(a[key], b[key]), key

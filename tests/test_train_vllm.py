@@ -3,8 +3,9 @@
 The warm start is an AQ-MedAI-format checkpoint whose fc / o_proj / down_proj are zero: its decoder output is 0,
 all draft logits tie, and greedy drafting proposes draft index 0, i.e. target id 0 + d2t[0] = 256, the token the
 toy verifier emits most often at temperature 0 on these prompts. So vLLM must accept some drafts. Stage 04 exports
-it after a zero-learning-rate run; that export is warm-started and exported again. Both serve as the EAGLE-3 draft of
-the same verifier: /metrics must count drafts and accepted tokens, identical for the two, with identical text.
+it after a zero-learning-rate run; that export is warm-started and exported again, and the re-export must be the
+same files byte for byte (so it serves exactly as the first: one vLLM start, not two). The export serves as the
+EAGLE-3 draft of the verifier: /metrics must count drafts and accepted tokens.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ def test_vllm_speculates_with_export_and_reexport_identically(tmp_path, toy_llam
     second = _export(tmp_path / "b", toy_llama, rows, first, lr=0.0)
     wa, wb = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
     assert set(wa) == set(wb) == set(weights) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    served_files = sorted(p.name for p in first.iterdir() if p.is_file())
+    assert served_files == sorted(p.name for p in second.iterdir() if p.is_file())
+    for name in served_files:  # what vLLM reads is identical, so the re-export serves exactly as the export
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
     a = _serve_and_count(toy_llama, first, DataDir(tmp_path).logs / "vllm_a.log")
-    b = _serve_and_count(toy_llama, second, DataDir(tmp_path).logs / "vllm_b.log")
-    counts = ("drafts", "accepted", "per_position")
-    logging.getLogger(__name__).info("export: %s; re-export: %s", {k: a[k] for k in counts}, {k: b[k] for k in counts})
+    logging.getLogger(__name__).info("export: %s", {k: a[k] for k in ("drafts", "accepted", "per_position")})
     assert a["drafts"] > 0 and a["accepted"] > 0, a  # vLLM ran the draft, and the verifier accepted some
-    assert (a["drafts"], a["accepted"], a["per_position"]) == (b["drafts"], b["accepted"], b["per_position"])
-    assert a["texts"] == b["texts"]
+    assert sum(a["per_position"]) == a["accepted"]

@@ -1,0 +1,130 @@
+"""Stage 04's batches on the device: fp8 hidden states dequantised on the GPU, host-to-device copies overlapped.
+
+speculators' ``FP8Transfer`` dequantises each fp8 sample to bf16 inside the DataLoader workers, so every later copy
+(collate, shared memory, pinning, host to device) moves twice the bytes and the workers spend CPU on the
+arithmetic. Here the workers keep the e4m3 values and carry the per-token scales beside them; the training process
+dequantises after the copy, on the device, with hs_connectors' own formula (``fp8.to(dtype) * scale.to(dtype)``,
+elementwise, so the values are bit-identical to ``FP8Transfer``'s). ``device_batches`` copies batch i+1 to the GPU
+on a side stream while step i computes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from hs_connectors.transfer import FileTransfer
+from speculators.models.eagle3.data import shift_batch
+from speculators.train.data import ArrowDataset
+
+from .records import HS_SCALES_KEY
+
+FP8_SCALES = "fp8_scales"  # [T, k] float32 scales of a sample's fp8 states: k = 1 (one per token) or n (per state)
+# after shift_batch: the scales of hidden_states (positions 0..T-2) and of verifier_last_hidden_states (1..T-1).
+# Their names must not contain "hidden_states": CollateFn casts every such key to the states' dtype.
+FP8_SCALES_IN = "fp8_scales_in"
+FP8_SCALES_LAST = "fp8_scales_last"
+
+
+class Fp8KeptTransfer(FileTransfer):
+    """``FileTransfer`` for fp8 files that leaves the states quantised and keeps the last sample's scales, which
+    ArrowDataset would otherwise drop (it keeps only ``hidden_states`` and ``token_ids``)."""
+
+    last_scales: torch.Tensor | None = None
+
+    def get_cached(self, file_idx: int):
+        data = super().get_cached(file_idx)
+        self.last_scales = data.pop(HS_SCALES_KEY, None) if data is not None else None
+        return data
+
+
+class Fp8ScaledDataset(ArrowDataset):
+    """speculators' ArrowDataset over fp8 files, each sample carrying its per-token scales (``FP8_SCALES``)."""
+
+    def _get_raw_data(self, index: int):
+        sample = super()._get_raw_data(index)
+        if isinstance(sample, dict):
+            scales = self.transfer.last_scales  # the file this call just read (one sample at a time per worker)
+            if scales is None or scales.shape[0] != sample["input_ids"].shape[0]:
+                raise ValueError(f"sample {index}: fp8 hidden states without matching per-token scales")
+            sample[FP8_SCALES] = scales.reshape(scales.shape[0], -1).float()  # [T, k] from [T, 1, 1] or [T, n, 1]
+        return sample
+
+
+def shift_batch_with_scales(sample: dict) -> dict:
+    """speculators' ``shift_batch`` (it keeps only its own keys), with the fp8 scales shifted alongside."""
+    scales = sample.pop(FP8_SCALES, None)
+    out = shift_batch(sample)
+    if scales is not None:
+        out[FP8_SCALES_IN] = scales[:-1]  # hidden_states keeps positions 0..T-2
+        out[FP8_SCALES_LAST] = scales[1:]  # verifier_last_hidden_states keeps 1..T-1
+    return out
+
+
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The batch's tensors on ``device``; fp8 states dequantised there to ``dtype`` (values * scales, per element as
+    hs_connectors does it, for one scale per token or one per token and state)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    scales_in, scales_last = out.pop(FP8_SCALES_IN, None), out.pop(FP8_SCALES_LAST, None)
+    states_in, last = out["hidden_states"], out["verifier_last_hidden_states"]  # [1, L, 3H], [1, L, H]
+    if states_in.dtype == torch.float8_e4m3fn:
+        if scales_in is None:  # an all-padding row (no sample in the batch): zeros
+            out["hidden_states"], out["verifier_last_hidden_states"] = states_in.to(dtype), last.to(dtype)
+            return out
+        k = scales_in.shape[-1]  # 1, or the n states (the first n - 1 are the draft's input, the last the verifier's)
+        if k == 1:
+            out["hidden_states"] = states_in.to(dtype) * scales_in.to(dtype)
+        else:
+            split = states_in.view(*states_in.shape[:2], k - 1, -1)  # [1, L, n-1, H]
+            out["hidden_states"] = (split.to(dtype) * scales_in[..., :k - 1, None].to(dtype)).flatten(2)
+        out["verifier_last_hidden_states"] = last.to(dtype) * scales_last[..., k - 1:].to(dtype)
+    return out
+
+
+def _timed(loader, waited: dict | None):
+    """Iterate ``loader``, adding the time spent waiting for each batch to ``waited["loader_wait_s"]``."""
+    it = iter(loader)
+    while True:
+        t0 = time.monotonic()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        if waited is not None:
+            waited["loader_wait_s"] = waited.get("loader_wait_s", 0.0) + time.monotonic() - t0
+        yield batch
+
+
+def device_batches(loader, device: torch.device, dtype: torch.dtype, waited: dict | None = None):
+    """Yields (host batch, device batch). On CUDA, batch i+1's copy (and dequantisation) is queued on a side stream
+    before batch i is handed out, so it runs while step i computes; step i waits only for its own batch.
+    ``waited["loader_wait_s"]`` accumulates the time the training loop waited for the loader (0 when it keeps up)."""
+    if device.type != "cuda":
+        for batch in _timed(loader, waited):
+            yield batch, to_device(batch, device, dtype)
+        return
+    side = torch.cuda.Stream(device=device)
+
+    def issue(batch):
+        with torch.cuda.stream(side):
+            moved = to_device(batch, device, dtype)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        return batch, moved, ready
+
+    def hand_out(item):
+        batch, moved, ready = item
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(ready)
+        for t in moved.values():
+            t.record_stream(compute)  # made on the side stream, used and freed on the compute stream
+        return batch, moved
+
+    pending = None
+    for batch in _timed(loader, waited):
+        queued = issue(batch)
+        if pending is not None:
+            yield hand_out(pending)
+        pending = queued
+    if pending is not None:
+        yield hand_out(pending)
