@@ -98,8 +98,8 @@ def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, len
 
 
 def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: int, warmup: int,
-              device: torch.device) -> dict:
-    """speculators' own training step with data already on the device."""
+              device: torch.device, train_lm_head: bool = False) -> dict:
+    """speculators' own training step with data already on the device (``train_lm_head``: as train.train_lm_head)."""
     from speculators.losses import resolve_loss_config
 
     cfg_layer = draft.fresh_layer_config(verifier, dims["heads"], dims["head_dim"], dims["inter"])
@@ -110,6 +110,7 @@ def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: in
     attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"
     model = draft.build_draft_model(cfg_layer, verifier=verifier, aux_layer_ids=aux, d2t=sel - torch.arange(n),
                                     t2d=t2d, ttt_steps=3, attn_impl=attn).to(device)
+    model.lm_head.weight.requires_grad_(train_lm_head)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     kw = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
@@ -141,11 +142,12 @@ def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: in
     sync()
     s = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0  # what an OOM meets
     del model, opt, batch
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"step_ms": 1000 * s, "tokens_per_s": tokens / s, "warmup_s": warm_s, "peak_gib": peak,
-            "trainable_params": sum(p.numel() for p in params)}
+            "peak_reserved_gib": reserved, "trainable_params": sum(p.numel() for p in params)}
 
 
 def drop_page_cache() -> bool:
@@ -197,6 +199,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--bare-tokens", type=int, nargs="+", default=[],
                    help="also run the bare step at each of these packed-row lengths (peak memory vs total_seq_len)")
+    p.add_argument("--bare-lm-head", action="store_true",
+                   help="in the --bare-tokens sweep, also run each length with the draft lm_head trained")
     p.add_argument("--samples", type=int, default=100, help="samples per e2e dataset")
     p.add_argument("--log-every", type=int, default=4, help="e2e metric lines every N steps (each line syncs)")
     p.add_argument("--skip-steps", type=int, default=8, help="e2e steps left out of the rate (compile, start-up)")
@@ -223,16 +227,18 @@ def main() -> None:
         results["bare"] = bare_step(verifier, dims, aux, tokens, 3 if args.tiny else args.bare_steps,
                                     2 if args.tiny else 4, torch.device(device))
         log.info("bare: %s", results["bare"])
-    for n in args.bare_tokens:  # train.total_seq_len sweep: one row of n tokens per step, OOM recorded, not fatal
+    sweep = [(n, False) for n in args.bare_tokens] + [(n, True) for n in args.bare_tokens if args.bare_lm_head]
+    for n, lm_head in sweep:  # train.total_seq_len sweep: one row of n tokens per step, OOM recorded, not fatal
         try:
-            row = bare_step(verifier, dims, aux, n, 3 if args.tiny else 5, 2, torch.device(device))
+            row = bare_step(verifier, dims, aux, n, 3 if args.tiny else 5, 2, torch.device(device), lm_head)
         except torch.OutOfMemoryError as e:
             row = {"oom": str(e).splitlines()[0]}
             torch.cuda.empty_cache()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        results.setdefault("bare_sweep", {})[str(n)] = row
-        log.info("bare %d tokens: %s", n, row)
+        key = f"{n}+lm_head" if lm_head else str(n)
+        results.setdefault("bare_sweep", {})[key] = row
+        log.info("bare %s tokens: %s", key, row)
         if args.out:
             Path(args.out, "bench_train.json").write_text(json.dumps(results, indent=2) + "\n")
     if args.skip != "e2e":

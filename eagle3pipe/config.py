@@ -119,7 +119,7 @@ class TrainConfig:
     epochs: int = 3  # passes over the training split
     learning_rate: float = 1e-4  # peak AdamW learning rate
     total_seq_len: int = 32768  # tokens packed per training row (one optimizer step); >= shared.max_seq_len.
-    # K2.5 draft on one H200: 39.8 GiB peak at 8192 (measured), ~98 GiB at 32768 (estimated, README 04_train.py)
+    # K2.5 draft on one H200: peak 39.8 GiB at 8192, 80.7 GiB at 32768 (measured, README 04_train.py)
     ttt_steps: int = 3  # test-time-training unroll steps
     checkpoint_every: int = 500  # optimizer steps between checkpoints
     eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
