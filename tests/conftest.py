@@ -31,9 +31,20 @@ def pytest_configure(config):
 _GPU_NOT_RUN: list[str] = []
 
 
+# ``./test.sh`` runs the suite in 2 processes (pytest-xdist, one file per process at a time): the longest files go
+# first, so that neither process is left alone with a 4-minute file at the end.
+LONGEST_FILES_FIRST = ("test_toy_reasoning.py", "test_run_all_demo.py", "test_extract_vllm.py", "test_generate_vllm.py")
+
+
+def _file_rank(item) -> int:
+    name = item.path.name
+    return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=_file_rank)  # stable: the order within a file stays
     if torch.cuda.is_available():
         return
     keep = [it for it in items if it.get_closest_marker("gpu") is None]
@@ -42,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
         _GPU_NOT_RUN.extend(it.nodeid for it in gone)
         config.hook.pytest_deselected(items=gone)
         items[:] = keep
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its deselected gpu tests go to the controller
+        session.config.workeroutput["gpu_not_run"] = _GPU_NOT_RUN
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _GPU_NOT_RUN.extend(n for n in getattr(node, "workeroutput", {}).get("gpu_not_run", []) if n not in _GPU_NOT_RUN)
 
 
 def pytest_terminal_summary(terminalreporter):

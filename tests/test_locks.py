@@ -107,6 +107,12 @@ def _run_all_config(tmp_path: Path, verifier: Path, meta: dict) -> Path:
     return path
 
 
+def _sigint_default() -> None:
+    # run_all as a user's shell starts it: a test process started in the background (`./test.sh &`) ignores SIGINT,
+    # its children inherit that, and bash can never trap a signal ignored on entry
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_run_all_stops_its_stage_and_leaves_no_orphan(tmp_path, toy_llama, toy_meta, sig):
@@ -116,7 +122,7 @@ def test_stopping_run_all_stops_its_stage_and_leaves_no_orphan(tmp_path, toy_lla
     with StubServer("ok", delay_s=600) as stub:
         run_all = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--vllm-url", stub.url,
                                     "--only", "01b"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_sigint_default)
         try:
             _wait_for("request from stage 01b", lambda: stub.requests, proc=run_all)
             (stage,) = _children(run_all.pid, "01b_generate_synthetic.py")
