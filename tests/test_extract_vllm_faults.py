@@ -22,6 +22,10 @@ from test_extract import make_cfg, write_rows
 MAX_MODEL_LEN = 30
 
 
+class _BackloggedHTTPServer(ThreadingHTTPServer):
+    request_queue_size = 256  # socketserver's backlog of 5 refuses concurrent clients on a loaded machine
+
+
 class StubExtractionServer:
     """/v1/models and /v1/completions like an extraction server: writes a random sample file where the request
     asks. ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores."""
@@ -56,7 +60,7 @@ class StubExtractionServer:
                              {"hidden_states_path": path}, "choices": [{"index": 0, "text": "x",
                                                                          "finish_reason": "length"}]})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _BackloggedHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 

@@ -70,6 +70,10 @@ def _config(data_dir, verifier, meta, urls, **generate):
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
+    # 01b opens up to 128 connections at once; socketserver's listen backlog of 5 turned some of them into
+    # connection errors on a loaded machine (vLLM's server listens with a far longer one)
+    request_queue_size = 256
+
     def handle_error(self, request, client_address):  # a client that timed out closed the socket: expected here
         pass
 
