@@ -209,8 +209,10 @@ def test_api_base_is_appended_in_one_place_and_v1_refused():
 
 def test_timeouts_are_retried_then_recorded_as_errors(tmp_path, toy_llama, toy_meta):
     ids = write_questions(tmp_path, 3)
-    with StubServer("ok", delay_s=1.5) as stub:
-        cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=0.3, max_retries=2,
+    # every answer comes after the client gave up; a timeout long enough for each try to reach the server on a
+    # loaded machine (0.3 s once lost one there)
+    with StubServer("ok", delay_s=6.0) as stub:
+        cfg = _config(tmp_path, toy_llama, toy_meta, [stub.url], request_timeout_s=1.5, max_retries=2,
                       retry_backoff_s=0.05)
         with pytest.raises(StageError, match=r"3 of 3 ids errored \(timeout 3"):  # errored ids fail the stage
             run_generate(cfg)
