@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -18,12 +18,9 @@ from eagle3pipe.extract import run_extract
 from eagle3pipe.records import DataDir, load_hidden_states, load_hs_manifest, read_jsonl, save_hidden_states
 
 from test_extract import make_cfg, write_rows
+from test_generate import StubHTTPServer
 
 MAX_MODEL_LEN = 30
-
-
-class _BackloggedHTTPServer(ThreadingHTTPServer):
-    request_queue_size = 256  # socketserver's backlog of 5 refuses concurrent clients on a loaded machine
 
 
 class StubExtractionServer:
@@ -60,7 +57,7 @@ class StubExtractionServer:
                              {"hidden_states_path": path}, "choices": [{"index": 0, "text": "x",
                                                                          "finish_reason": "length"}]})
 
-        self.httpd = _BackloggedHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 

@@ -69,7 +69,9 @@ def _config(data_dir, verifier, meta, urls, **generate):
     return cfg
 
 
-class _QuietHTTPServer(ThreadingHTTPServer):
+class StubHTTPServer(ThreadingHTTPServer):
+    """The HTTP server of the tests' misbehaving stubs (this file's and stage 02's)."""
+
     # 01b opens up to 128 connections at once; socketserver's listen backlog of 5 turned some of them into
     # connection errors on a loaded machine (vLLM's server listens with a far longer one)
     request_queue_size = 256
@@ -145,7 +147,7 @@ class StubServer:
                 else:
                     self._send(200, json.dumps(_completion()))
 
-        self.httpd = _QuietHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
