@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,7 +50,7 @@ def _serve_and_count(verifier, draft_dir, log_file):
         before = srv.metrics()
         texts = []
         for prompt in PROMPTS:
-            r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+            r = httpx2.post(srv.url + "/v1/completions", timeout=300, json={
                 "model": srv.served_model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0.0})
             r.raise_for_status()
             texts.append(r.json()["choices"][0]["text"])
