@@ -30,7 +30,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2  # the HTTP library the openai client is built on
@@ -49,14 +49,17 @@ from .records import (
     read_hidden_states_header,
 )
 from .server import (
+    API_KEY_ENV,
     REPO_ROOT,
+    NoServerAnswers,
     RequestFailure,
+    ServerPool,
     VllmServer,
+    api_key,
     backoff_delay_s,
     classify_request_error,
     default_vllm_python,
     ServerError,
-    make_async_client,
     probe_vllm,
 )
 
@@ -118,7 +121,7 @@ def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_le
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     server = VllmServer(cfg.shared.verifier, extra_args=server_args(cfg, dd.hs_work, num_layers, max_model_len, cpu),
                         log_file=dd.logs / "02_vllm_server.log", python=python, enforce_eager=cpu,
-                        kv_cache_gib=1 if cpu else None,
+                        kv_cache_gib=1 if cpu else None, gpu_memory_check=not cpu,
                         startup_timeout_s=cfg.extract.server_start_timeout_s, env={"PYTHONPATH": path},
                         trust_remote_code=cfg.shared.trust_remote_code)
     log.info("starting the extraction server (log %s); ids %s", server.log_file,
@@ -232,8 +235,7 @@ class Extractor:
     progress: Progress
     journal: JsonlAppender
     model: str = ""
-    clients: list = field(default_factory=list)
-    in_flight: list[int] = field(default_factory=list)
+    pool: ServerPool | None = None  # the servers that answer, fewest in flight first (server.py)
     tokens: int = 0
     bytes: int = 0
     retries: int = 0
@@ -244,36 +246,21 @@ class Extractor:
 
     async def __aenter__(self) -> "Extractor":
         ex = self.cfg.extract
-        self.clients = [make_async_client(u, ex.request_timeout_s, max_connections=ex.concurrency + 8)
-                        for u in self.urls]
-        self.in_flight = [0] * len(self.urls)
+        self.pool = ServerPool(self.urls, ex.request_timeout_s, ex.concurrency + 8, flag="--extract-url")
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for c in self.clients:
-            await c.close()
+        await self.pool.close()
 
     async def server_info(self) -> tuple[str, int]:
-        """(served model name, max_model_len) of the first server; every server must serve the same model."""
-        infos = []
-        for client, url in zip(self.clients, self.urls):
-            try:
-                models = await client.models.list()
-            except Exception as e:
-                raise StageError(f"cannot list models at {url}/v1/models ({e}); is the server up? "
-                                 "(flag --extract-url)") from None
-            if not models.data:
-                raise StageError(f"{url}/v1/models lists no model")
-            m = models.data[0]
-            infos.append((m.id, int((m.model_extra or {}).get("max_model_len") or 0)))
-        if len({name for name, _ in infos}) > 1:
-            raise StageError(f"the servers serve different models: {dict(zip(self.urls, infos))}")
-        self.model = infos[0][0]
-        return self.model, min(n for _, n in infos)
-
-    def _pick(self) -> int:
-        low = min(self.in_flight)
-        return self.in_flight.index(low)
+        """(served model name, smallest max_model_len) of the servers that answer (the others are set aside and
+        probed); every server must serve the same model."""
+        served = await self.pool.open()
+        if len({m.name for m in served.values()}) > 1:
+            raise StageError("the servers serve different models: "
+                             f"{ {self.urls[i]: m.name for i, m in served.items()} }")
+        self.model = self.pool.model = next(iter(served.values())).name
+        return self.model, min(m.max_model_len for m in served.values())
 
     async def _request(self, idx: int, ids: list[int], path: Path, prompt_logprobs: bool) -> dict:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
@@ -282,7 +269,7 @@ class Extractor:
             body["prompt_logprobs"] = VERIFY_TOP_K
         # post() rather than completions.create(): the typed request builder walks every prompt token in Python
         # (0.1 ms per token measured: a client core at 10k tok/s); timeouts, retries' error types are the same
-        response = await self.clients[idx].post("/completions", cast_to=httpx2.Response, body=body,
+        response = await self.pool.clients[idx].post("/completions", cast_to=httpx2.Response, body=body,
                                                 options={"timeout": self.cfg.extract.request_timeout_s})
         return json.loads(response.content)
 
@@ -297,8 +284,11 @@ class Extractor:
                 self.retries += 1
                 await asyncio.sleep(backoff_delay_s(attempt - 1, ex.retry_backoff_s))
             remove_sample_files(path)
-            idx = self._pick()
-            self.in_flight[idx] += 1
+            try:
+                idx = self.pool.acquire()
+            except NoServerAnswers as e:
+                failure = classify_request_error(e, ex.request_timeout_s)
+                continue
             try:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
                 written = Path((reply.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
@@ -316,6 +306,7 @@ class Extractor:
                 failure = classify_request_error(e, ex.request_timeout_s)
                 if failure is None:
                     raise
+                self.pool.report_failure(idx, e)
             else:
                 Path(f"{path}.lock").unlink(missing_ok=True)  # vLLM never deletes its lock files
                 if not finite:
@@ -327,7 +318,7 @@ class Extractor:
                 top = server_top(reply["choices"][0]["prompt_logprobs"]) if prompt_logprobs else None
                 return Outcome(HsJournalEntry(position, row_id, local_index, len(ids), size), server_top=top)
             finally:
-                self.in_flight[idx] -= 1
+                self.pool.release(idx)
             if not failure.retryable:
                 break
             log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
@@ -479,16 +470,24 @@ async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, jo
 # The command for servers the user starts (one per node)
 
 
-def serve_command(cfg: PipelineConfig, storage: Path) -> str:
+def serve_command(cfg: PipelineConfig, storage: Path, host: str = "") -> str:
     """The ``vllm serve`` command of an extraction server for ``cfg`` (one node; start one per node and give each
-    URL as ``--extract-url``): the same flags the stage uses when it starts the server itself."""
+    URL as ``--extract-url``): the same flags the stage uses when it starts the server itself. It listens on
+    127.0.0.1 unless ``host`` is given; then it requires ``$VLLM_API_KEY`` (``--api-key``, expanded by the shell
+    that runs it, never printed), which stages 01b, 02 and 05 send: our connector lets each request choose the file
+    it writes inside ``storage``, so only our clients may reach it."""
     from .verifier import load_text_config
 
+    if host and not api_key():
+        raise StageError(f"--host {host}: the server would answer other machines, and each request names the file "
+                         f"it writes: set {API_KEY_ENV} to a secret first (the server then requires it; stages "
+                         "01b, 02 and 05 send it)")
     text, _ = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)
     args = server_args(cfg, storage, text.num_hidden_layers, cfg.shared.max_seq_len + 1, cpu=False)
     if cfg.shared.trust_remote_code:
         args.append("--trust-remote-code")
-    return (f"PYTHONPATH={shlex.quote(str(REPO_ROOT))} vllm serve {shlex.quote(cfg.shared.verifier)} "
+    listen = f'--host {shlex.quote(host)} --api-key "${API_KEY_ENV}"' if host else "--host 127.0.0.1"
+    return (f"PYTHONPATH={shlex.quote(str(REPO_ROOT))} vllm serve {shlex.quote(cfg.shared.verifier)} {listen} "
             + " ".join(shlex.quote(a) for a in args))
 
 
@@ -502,10 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--storage", default="", help="folder the servers write in (default: <data_dir>/hidden_states/"
                                                  "work; must be one filesystem the client reads too)")
+    p.add_argument("--host", default="", help=f"address the server listens on (default 127.0.0.1: this machine "
+                                              f"only); with one, it requires ${API_KEY_ENV}, which the stages send")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        print(serve_command(cfg, Path(args.storage) if args.storage else DataDir(cfg.data_dir).hs_work))
+        print(serve_command(cfg, Path(args.storage) if args.storage else DataDir(cfg.data_dir).hs_work, args.host))
     except (ConfigError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Stage 01b, the request side: send questions to vLLM with bounded concurrency, read each reply, write it at once.
 
-``Generator`` spreads requests over one or more servers (fewest in flight first), retries timeouts, connection
+``Generator`` spreads requests over one or more servers (``server.ServerPool``: fewest in flight among those that
+answer; one that refuses connections is set aside until it answers again), retries timeouts, connection
 errors and 5xx with exponential backoff, reads reasoning from ``reasoning`` then ``reasoning_content`` then any
 reasoning-like field, takes the server's exact token ids (``return_token_ids``) or rebuilds them from text, flags
 truncated/short records, trips the empty-reasoning guard, and shows the servers' own /metrics in the progress line.
@@ -14,7 +15,6 @@ import collections
 import json
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +26,7 @@ from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
 from .records import JsonlAppender, RequestError, Response, TrainingRow
-from .server import ServerMetrics, aread_metrics, backoff_delay_s, classify_request_error, make_async_client
+from .server import NoServerAnswers, ServerMetrics, ServerPool, aread_metrics, backoff_delay_s, classify_request_error
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +191,12 @@ class Generator:
 
     def __init__(self, cfg: PipelineConfig, tokenizer, special: SpecialIds, previous_attempts: dict[str, int],
                  progress: Progress, responses_out: JsonlAppender, data_out: JsonlAppender,
-                 errors_out: JsonlAppender):
+                 errors_out: JsonlAppender, urls: list[str] | None = None):
         self.cfg, self.g = cfg, cfg.generate
         self.tokenizer, self.special, self.progress = tokenizer, special, progress
         self.previous_attempts = previous_attempts  # attempts spent on an id by earlier runs (errors.jsonl)
         self.responses_out, self.data_out, self.errors_out = responses_out, data_out, errors_out
-        self.urls = [u.rstrip("/") for u in cfg.shared.vllm_url]
+        self.urls = [u.rstrip("/") for u in (urls or cfg.shared.vllm_url)]  # urls: a server 01b started itself
         extra = json.loads(self.g.request_extra_json) if self.g.request_extra_json else {}
         # spaces_between_special_tokens off: with a slow tokenizer (Kimi's) vLLM otherwise puts a space between
         # <think> and the text after it, so the reasoning text would not be what the ids say. The user's
@@ -204,16 +204,12 @@ class Generator:
         self.extra_body = {"return_token_ids": True, "spaces_between_special_tokens": False, **extra,
                            "chat_template_kwargs": {**extra.get("chat_template_kwargs", {}),
                                                     "thinking": cfg.shared.thinking}}
-        self.in_flight = [0] * len(self.urls)
+        self.pool: ServerPool | None = None  # set by run()
         self.stats = RunStats()
         self.prompt_checked = False
         self.started = time.monotonic()
 
     # -- one request ------------------------------------------------------------------------------------------
-    def _pick_server(self) -> int:
-        low = min(self.in_flight)
-        return random.choice([i for i, n in enumerate(self.in_flight) if n == low])
-
     async def _ask(self, client, model: str, q) -> dict:
         # with_raw_response: the openai client still sends, times out and raises typed errors, but the reply is
         # read as plain JSON. On a box shared with the server, building pydantic models for every reply costs
@@ -230,20 +226,22 @@ class Generator:
         except ValueError as e:
             raise BadResponse(f"reply is not JSON ({e})") from None
 
-    async def run_one(self, q, clients, model: str) -> None:
+    async def run_one(self, q, model: str) -> None:
         attempts_allowed = 1 + self.g.max_retries
         kind, message, url = "", "", ""
         for attempt in range(attempts_allowed):
-            idx = self._pick_server()
-            url = self.urls[idx]
-            self.in_flight[idx] += 1
+            idx, url = None, ""
             t0 = time.monotonic()
             try:
-                resp = await self._ask(clients[idx], model, q)
-            except openai.OpenAIError as e:
+                idx = self.pool.acquire()
+                url = self.urls[idx]
+                resp = await self._ask(self.pool.clients[idx], model, q)
+            except (openai.OpenAIError, NoServerAnswers) as e:
                 failure = classify_request_error(e, self.g.request_timeout_s)
                 if failure is None:
                     raise
+                if idx is not None:
+                    self.pool.report_failure(idx, e)
                 kind, message, retry = failure.kind, failure.message, failure.retryable
             except BadResponse as e:
                 kind, message, retry = "bad_response", str(e), False
@@ -254,7 +252,8 @@ class Generator:
                 except BadResponse as e:
                     kind, message, retry = "bad_response", str(e), False
             finally:
-                self.in_flight[idx] -= 1
+                if idx is not None:
+                    self.pool.release(idx)
             if not retry or attempt + 1 == attempts_allowed:
                 break
             self.stats.retries += 1
@@ -403,9 +402,13 @@ class Generator:
 
     # -- driver ---------------------------------------------------------------------------------------------------
     async def run(self, todo: list) -> None:
-        clients = [make_async_client(u, self.g.request_timeout_s, max_connections=self.g.concurrency + 8)
-                   for u in self.urls]
-        model = self.g.served_model_name or await _served_model(clients[0], self.urls[0])
+        self.pool = ServerPool(self.urls, self.g.request_timeout_s, self.g.concurrency + 8, flag="--vllm-url")
+        try:
+            served = await self.pool.open()  # the servers that answer; the others are set aside and probed
+        except BaseException:
+            await self.pool.close()
+            raise
+        model = self.pool.model = self.g.served_model_name or next(iter(served.values())).name
         log.info("sending %d requests to %s (model %s), %d in flight", len(todo), ", ".join(self.urls), model,
                  self.g.concurrency)
         queue: asyncio.Queue = asyncio.Queue()
@@ -418,7 +421,7 @@ class Generator:
                     q = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await self.run_one(q, clients, model)
+                await self.run_one(q, model)
 
         monitor = asyncio.create_task(self.monitor())
         workers = [asyncio.create_task(worker()) for _ in range(min(self.g.concurrency, len(todo)))]
@@ -428,15 +431,4 @@ class Generator:
             for t in [*workers, monitor]:
                 t.cancel()
             await asyncio.gather(*workers, monitor, return_exceptions=True)
-            for c in clients:
-                await c.close()
-
-
-async def _served_model(client, url: str) -> str:
-    try:
-        models = await client.models.list()
-    except openai.OpenAIError as e:
-        raise StageError(f"cannot list models at {url}/v1/models ({e}); is the server up? (flag --vllm-url)") from None
-    if not models.data:
-        raise StageError(f"{url}/v1/models lists no model; pass --served-model-name")
-    return models.data[0].id
+            await self.pool.close()

@@ -9,15 +9,27 @@
 - ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
   waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
 - ``make_async_client``: an ``AsyncOpenAI`` client. Base URLs are given WITHOUT ``/v1`` everywhere in the pipeline
-  (``shared.vllm_url``); ``api_base`` is the one place that appends it.
+  (``shared.vllm_url``); ``api_base`` is the one place that appends it. Every client, and every plain HTTP call here,
+  sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (``API_KEY_ENV``: vLLM's own name, so a
+  server started here with it in its environment requires it too).
+- ``ServerPool``: the routing of stages 01b and 02 over one or more servers: fewest requests in flight among the
+  servers that answer; a server whose request fails to connect is set aside (logged), probed on ``/health`` with
+  backoff and taken back when it answers. The stage starts with the servers that answer and stops only when none
+  does.
+- ``check_gpu_memory``: before a server starts on GPUs, the free memory vLLM will ask for
+  (``--gpu-memory-utilization``) must be free on each GPU it uses, else the processes holding it are named
+  (``nvidia-smi``); ``VllmServer.start`` runs it where ``nvidia-smi`` exists.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
+import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +44,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON_ENV = "EAGLE3PIPE_VLLM_PYTHON"  # override for the interpreter that has vLLM installed
+API_KEY_ENV = "VLLM_API_KEY"  # the servers' API key: vLLM reads this variable itself, our clients send it
 
 
 class ServerError(RuntimeError):
@@ -52,8 +65,20 @@ def api_base(url: str) -> str:
     return url + "/v1"
 
 
+def api_key() -> str | None:
+    """The key servers require (``$VLLM_API_KEY``), None when unset."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers() -> dict[str, str]:
+    """Headers for a plain HTTP call to a server: vLLM guards /v1/* with the key when it was started with one."""
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def make_async_client(url: str, timeout_s: float, max_connections: int = 256):
-    """An ``AsyncOpenAI`` client for one server; retries are the caller's (``max_retries=0``), so they are counted."""
+    """An ``AsyncOpenAI`` client for one server (sends ``$VLLM_API_KEY`` when set); retries are the caller's
+    (``max_retries=0``), so they are counted."""
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     http_client = DefaultAsyncHttpxClient(
@@ -62,7 +87,7 @@ def make_async_client(url: str, timeout_s: float, max_connections: int = 256):
     )
     return AsyncOpenAI(
         base_url=api_base(url),
-        api_key=os.environ.get("VLLM_API_KEY", "EMPTY"),
+        api_key=api_key() or "EMPTY",  # the client needs some key; a server without --api-key ignores it
         timeout=timeout_s,
         max_retries=0,
         http_client=http_client,
@@ -86,6 +111,8 @@ def classify_request_error(error: BaseException, timeout_s: float) -> RequestFai
     retry; other 4xx are not); None for anything else (a bug: let it raise)."""
     import openai
 
+    if isinstance(error, NoServerAnswers):
+        return RequestFailure("connection", str(error), True)
     if isinstance(error, openai.APITimeoutError):
         return RequestFailure("timeout", f"no reply within {timeout_s:g} s", True)
     if isinstance(error, openai.APIConnectionError):
@@ -104,6 +131,157 @@ def backoff_delay_s(attempt: int, base_s: float, cap_s: float = 60.0) -> float:
     import random
 
     return min(cap_s, base_s * 2**attempt) * random.uniform(0.8, 1.2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing over servers
+
+PROBE_FIRST_S = 1.0  # first /health probe of a set-aside server after this; doubled per failed probe
+PROBE_MAX_S = 30.0  # longest wait between two probes of a set-aside server
+
+
+class NoServerAnswers(Exception):
+    """Every server of a pool is set aside: a request fails (kind ``connection``, retried with backoff)."""
+
+
+@dataclass
+class ServedModel:
+    """What one server's ``/v1/models`` says."""
+
+    name: str  # the served model name
+    max_model_len: int  # 0 when the server does not say
+
+
+def is_connection_failure(error: BaseException) -> bool:
+    """The server did not answer at all (refused, reset, unreachable); a timeout is not one: a busy server is slow."""
+    import openai
+
+    return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
+
+
+class ServerPool:
+    """Requests spread over servers (stages 01b and 02): the server with the fewest requests in flight among those
+    that answer, ties broken at random.
+
+    A server whose request fails to connect is set aside (a warning names it) and probed on ``/health`` after
+    PROBE_FIRST_S, doubling to PROBE_MAX_S; it is taken back when it answers (and, if it was down from the start,
+    serves ``model``). Set aside, it gets no requests, so one dead node of two no longer takes every pick and retry
+    (it fails in milliseconds and so always had the fewest in flight). ``open()`` lists every server's model: the
+    stage starts with those that answer and stops when none does. ``acquire()`` raises NoServerAnswers while every
+    server is set aside. ``flag`` names the setting in messages (``--vllm-url``, ``--extract-url``)."""
+
+    def __init__(self, urls: list[str], timeout_s: float, max_connections: int, flag: str):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.flag = flag
+        self.clients = [make_async_client(u, timeout_s, max_connections=max_connections) for u in self.urls]
+        self.in_flight = [0] * len(self.urls)
+        self.aside: dict[int, str] = {}  # server index -> why it was set aside
+        self.served: dict[int, ServedModel] = {}  # what each server that answered serves
+        self.model = ""  # the model every server must serve (set by the stage after open)
+        self._probes: dict[int, asyncio.Task] = {}
+        self._http = httpx2.AsyncClient(headers=auth_headers())
+
+    async def __aenter__(self) -> "ServerPool":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+        for c in self.clients:
+            await c.close()
+        await self._http.aclose()
+
+    async def _list_model(self, idx: int) -> ServedModel:
+        """The server's first model; openai errors propagate."""
+        from .cli import StageError
+
+        models = await self.clients[idx].models.list()
+        if not models.data:
+            raise StageError(f"{self.urls[idx]}/v1/models lists no model (flag {self.flag})")
+        m = models.data[0]
+        return ServedModel(m.id, int((m.model_extra or {}).get("max_model_len") or 0))
+
+    async def open(self) -> dict[int, ServedModel]:
+        """Ask every server what it serves; the ones that do not answer are set aside (and probed). Returns
+        {server index: ServedModel} of those that answered; StageError when none does, or when one answers with an
+        error (a wrong API key, not a vLLM server)."""
+        import openai
+
+        from .cli import StageError
+
+        async def ask(idx: int) -> None:
+            try:
+                self.served[idx] = await self._list_model(idx)
+            except openai.APIConnectionError as e:  # refused, unreachable, or no answer in time
+                self.set_aside(idx, f"{type(e.__cause__ or e).__name__}: {e}")
+            except openai.APIStatusError as e:
+                raise StageError(f"{self.urls[idx]}/v1/models answered HTTP {e.status_code}: {str(e)[:200]}"
+                                 + (f" (is ${API_KEY_ENV} the servers' --api-key?)" if e.status_code == 401 else "")
+                                 + f" (flag {self.flag})") from None
+
+        await asyncio.gather(*(ask(i) for i in range(len(self.urls))))
+        if not self.served:
+            raise StageError(f"no server answers: {self.describe_aside()}; start them or fix flag {self.flag}")
+        return dict(self.served)
+
+    def describe_aside(self) -> str:
+        return "; ".join(f"{self.urls[i]} ({why})" for i, why in sorted(self.aside.items()))
+
+    def acquire(self) -> int:
+        """A server for one request (counted in flight until ``release``)."""
+        live = [i for i in range(len(self.urls)) if i not in self.aside]
+        if not live:
+            raise NoServerAnswers(f"no server answers: {self.describe_aside()} (probed on /health; flag {self.flag})")
+        low = min(self.in_flight[i] for i in live)
+        idx = random.choice([i for i in live if self.in_flight[i] == low])
+        self.in_flight[idx] += 1
+        return idx
+
+    def release(self, idx: int) -> None:
+        self.in_flight[idx] -= 1
+
+    def report_failure(self, idx: int, error: BaseException) -> None:
+        """A request to server ``idx`` failed with ``error``: set the server aside when it did not answer."""
+        if is_connection_failure(error):
+            self.set_aside(idx, f"{type(error.__cause__ or error).__name__}: {error}")
+
+    def set_aside(self, idx: int, why: str) -> None:
+        if idx in self.aside:
+            return
+        self.aside[idx] = why
+        live = len(self.urls) - len(self.aside)
+        log.warning("%s does not answer (%s): set aside, probed on /health until it does; %d of %d servers in use",
+                    self.urls[idx], why, live, len(self.urls))
+        self._probes[idx] = asyncio.get_running_loop().create_task(self._probe(idx))
+
+    async def _probe(self, idx: int) -> None:
+        import openai
+
+        delay = PROBE_FIRST_S
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, PROBE_MAX_S)
+            try:
+                if (await self._http.get(self.urls[idx] + "/health", timeout=10.0)).status_code != 200:
+                    continue
+                if idx not in self.served:  # down since the start: what does it serve?
+                    self.served[idx] = await self._list_model(idx)
+            except (httpx2.HTTPError, openai.OpenAIError):
+                continue
+            if self.model and self.served[idx].name != self.model:
+                log.error("%s answers again but serves %s, not %s: left aside", self.urls[idx],
+                          self.served[idx].name, self.model)
+                delay = PROBE_MAX_S
+                continue
+            del self.aside[idx]
+            self._probes.pop(idx, None)
+            log.warning("%s answers again: taken back (%d of %d servers in use)", self.urls[idx],
+                        len(self.urls) - len(self.aside), len(self.urls))
+            return
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,6 +388,121 @@ async def aread_metrics(client: httpx2.AsyncClient, url: str, timeout_s: float =
         return ServerMetrics(url=url, taken_at=time.monotonic(), samples=parse_prometheus_text(resp.text))
     except httpx2.HTTPError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Free GPU memory before a start
+
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+GPU_MEMORY_WAIT_S = 60.0  # a server stopped just before (01b's, before 02 starts one) may still be freeing its GPUs
+
+
+@dataclass
+class GpuMemory:
+    index: int
+    uuid: str
+    total_mib: float
+    free_mib: float
+
+
+@dataclass
+class GpuProcess:
+    gpu_uuid: str
+    pid: int
+    name: str
+    used_mib: float
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
+
+
+def parse_gpus(text: str) -> list[GpuMemory]:
+    """``nvidia-smi --query-gpu=index,uuid,memory.total,memory.free --format=csv,noheader,nounits``."""
+    return [GpuMemory(int(r[0]), r[1], float(r[2]), float(r[3])) for r in _csv_rows(text)]
+
+
+def parse_gpu_processes(text: str) -> list[GpuProcess]:
+    """``nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader,nounits``."""
+    out = []
+    for r in _csv_rows(text):
+        try:
+            out.append(GpuProcess(r[0], int(r[1]), r[2], float(r[3])))
+        except (ValueError, IndexError):  # "[N/A]" where the driver hides a value
+            out.append(GpuProcess(r[0], int(r[1]) if r[1:2] and r[1].isdigit() else -1, ",".join(r[2:-1]), math.nan))
+    return out
+
+
+def gpu_memory_shortfall(gpus: list[GpuMemory], processes: list[GpuProcess], visible: str | None, count: int,
+                         share: float) -> str | None:
+    """Why a vLLM server using the first ``count`` GPUs of ``visible`` (CUDA_VISIBLE_DEVICES: indices or UUIDs;
+    None = all) cannot take ``share`` of each GPU's memory, naming the processes that hold it; None when it can."""
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        chosen = [g for w in wanted for g in gpus if w == str(g.index) or g.uuid.startswith(w)]
+    else:
+        chosen = list(gpus)
+    short = [g for g in chosen[:count] if g.free_mib < share * g.total_mib]
+    if not short:
+        return None
+    parts = []
+    for g in short:
+        holders = [p for p in processes if p.gpu_uuid == g.uuid]
+        held = ", ".join(f"pid {p.pid} {p.name} ({p.used_mib / 1024:.1f} GiB)" for p in holders) or \
+            "no compute process nvidia-smi can see"
+        parts.append(f"GPU {g.index} has {g.free_mib / 1024:.1f} of {g.total_mib / 1024:.1f} GiB free, held by {held}")
+    return (f"vLLM needs {share:g} of each GPU's memory free (--gpu-memory-utilization) on {count} GPU(s): "
+            + "; ".join(parts))
+
+
+def query_nvidia_smi() -> tuple[list[GpuMemory], list[GpuProcess]] | None:
+    """The GPUs and their compute processes as ``nvidia-smi`` lists them; None without nvidia-smi (no GPU)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+
+    def run(query: str) -> str:
+        return subprocess.run([smi, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+
+    try:
+        gpus = parse_gpus(run("--query-gpu=index,uuid,memory.total,memory.free"))
+        procs = parse_gpu_processes(run("--query-compute-apps=gpu_uuid,pid,process_name,used_memory"))
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        log.warning("nvidia-smi could not be read (%s): free GPU memory not checked", e)
+        return None
+    return gpus, procs
+
+
+def check_gpu_memory(visible: str | None, count: int, share: float, wait_s: float = GPU_MEMORY_WAIT_S,
+                     query=query_nvidia_smi) -> None:
+    """Raise ServerError naming what holds the memory when a server on ``count`` GPUs could not take ``share`` of
+    each, after waiting up to ``wait_s`` for it to be freed. Nothing to check without nvidia-smi (CPU)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = query()
+        if found is None:
+            return
+        problem = gpu_memory_shortfall(*found, visible, count, share)
+        if problem is None:
+            return
+        if time.monotonic() >= deadline:
+            raise ServerError(f"{problem}. Stop what holds it (a server of an earlier stage still running?), or "
+                              "lower --gpu-memory-utilization in the stage's server_args")
+        log.warning("%s: waiting up to %.0f s for it to be freed", problem, wait_s)
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the last ``--name V`` / ``--name=V`` in ``args``."""
+    value = None
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(n + "="):
+                value = a.split("=", 1)[1]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,7 +626,7 @@ class VllmServer:
                  python: str | None = None, kv_cache_gib: int | None = 1, enforce_eager: bool = True,
                  startup_stall_s: float = 300.0, startup_timeout_s: float | None = None, stop_grace_s: float = 20.0,
                  env: dict[str, str] | None = None, tensor_parallel_size: int | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, gpu_memory_check: bool | None = None):
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
@@ -348,6 +641,7 @@ class VllmServer:
         self.env = env or {}
         self.tensor_parallel_size = tensor_parallel_size
         self.trust_remote_code = trust_remote_code  # the model's own tokenizer/config code (Kimi-K2.5's tokenizer)
+        self.gpu_memory_check = gpu_memory_check  # check free GPU memory first; None: where nvidia-smi exists
         self.proc: subprocess.Popen | None = None
         self.guard: subprocess.Popen | None = None
         self._guard_fd: int | None = None  # write end of the guard's pipe: held by this process only
@@ -386,6 +680,8 @@ class VllmServer:
         if self.kv_cache_gib is not None:  # a small CPU KV cache, unless the environment already sets one
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.update(self.env)
+        if self.gpu_memory_check is not False:
+            self.check_gpu_memory(env)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log_fh = open(self.log_file, "ab")
         log.info("starting vLLM: %s (log %s)", " ".join(self.command()), self.log_file)
@@ -403,6 +699,15 @@ class VllmServer:
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM ready at %s after %.0f s (pid %d)", self.url, self.start_seconds, self.proc.pid)
         return self
+
+    def check_gpu_memory(self, env: dict[str, str]) -> None:
+        """The GPUs this server will use (the first ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` of
+        CUDA_VISIBLE_DEVICES) must have its ``--gpu-memory-utilization`` share free (see ``check_gpu_memory``)."""
+        cmd = self.command()
+        count = int(_flag_value(cmd, "--tensor-parallel-size", "-tp") or 1) * \
+            int(_flag_value(cmd, "--pipeline-parallel-size", "-pp") or 1)
+        share = float(_flag_value(cmd, "--gpu-memory-utilization") or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION)
+        check_gpu_memory(env.get("CUDA_VISIBLE_DEVICES"), count, share)
 
     def _start_guard(self) -> None:
         read_fd, write_fd = os.pipe()  # both close-on-exec: no other child inherits the write end
@@ -436,7 +741,7 @@ class VllmServer:
                 raise ServerError(f"vLLM exited with status {self.proc.returncode} during start-up; "
                                   f"log {self.log_file}:\n{self.log_tail()}")
             try:
-                if httpx2.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
+                if httpx2.get(self.url + "/v1/models", headers=auth_headers(), timeout=2.0).status_code == 200:
                     return
             except httpx2.HTTPError:
                 pass
