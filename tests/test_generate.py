@@ -5,6 +5,7 @@ that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -30,7 +31,7 @@ from eagle3pipe.records import (
     read_provenance,
     write_jsonl_atomic,
 )
-from eagle3pipe.server import api_base, parse_prometheus_text
+from eagle3pipe.server import ServerPool, api_base, free_port, parse_prometheus_text
 from eagle3pipe.vocab import run_vocab
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,10 +92,13 @@ CONTEXT_TOO_LONG_BODY = {"error": {"message": "This model's maximum context leng
 class StubServer:
     """A local OpenAI-compatible HTTP server with scripted faults. ``mode``: how /v1/chat/completions misbehaves;
     per user prompt: ``fail_for`` answer 500, ``too_long_for`` answer vLLM's context-length 400, ``empty_for``
-    answer without reasoning (each a set the test may change between runs)."""
+    answer without reasoning (each a set the test may change between runs). ``die_after``: after that many chat
+    requests it dies as a crashed node does (the request in hand gets no reply, the port then refuses)."""
 
-    def __init__(self, mode: str, delay_s: float = 0.0, fail_first: int = 0):
+    def __init__(self, mode: str, delay_s: float = 0.0, fail_first: int = 0, die_after: int | None = None,
+                 port: int = 0):
         self.mode, self.delay_s, self.fail_first = mode, delay_s, fail_first
+        self.die_after, self.posts = die_after, 0
         self.fail_for: set[str] = set()
         self.too_long_for: set[str] = set()
         self.empty_for: set[str] = set()
@@ -135,6 +139,12 @@ class StubServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
                 with stub.lock:
+                    stub.posts += 1
+                    if stub.die_after is not None and stub.posts > stub.die_after:
+                        if stub.posts == stub.die_after + 1:
+                            threading.Thread(target=stub.close).start()
+                        self.close_connection = True
+                        return  # no reply: the client sees the connection drop
                     stub.requests[prompt] = stub.requests.get(prompt, 0) + 1
                     seen = stub.requests[prompt]
                 time.sleep(stub.delay_s)
@@ -147,7 +157,7 @@ class StubServer:
                 else:
                     self._send(200, json.dumps(_completion()))
 
-        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = StubHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -157,8 +167,16 @@ class StubServer:
         return self
 
     def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop serving and close the port (idempotent): new connections are refused."""
+        with self.lock:
+            if self.httpd is None:
+                return
+            httpd, self.httpd = self.httpd, None
+        httpd.shutdown()
+        httpd.server_close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -431,3 +449,57 @@ def test_server_dropping_reasoning_trains_nothing_and_stays_stopped_until_retrie
     assert sorted(r.id for r in responses) == ids and all(r.reasoning and not r.flags for r in responses)
     assert sorted(r.id for r in load_training_rows(dd.synthetic_data)) == ids
     assert check_synthetic(dd, ids).ok()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a server that does not answer (issue 19, item 3)
+
+
+def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_servers_that_answer(tmp_path, toy_llama,
+                                                                                               toy_meta, caplog):
+    """Three URLs: a closed port (first, so the model is asked elsewhere), a server that dies after 5 requests, and
+    a healthy one. Everything finishes through the servers that answer; both dead ones are named as set aside."""
+    ids = write_questions(tmp_path, 40)
+    closed = f"http://127.0.0.1:{free_port()}"
+    with StubServer("ok", die_after=5) as dying, StubServer("ok") as healthy:
+        cfg = _config(tmp_path, toy_llama, toy_meta, [closed, dying.url, healthy.url], served_model_name="",
+                      concurrency=4, max_retries=1, retry_backoff_s=0.05)
+        with caplog.at_level(logging.WARNING, logger="eagle3pipe.server"):
+            summary = run_generate(cfg)
+        healthy_requests = sum(healthy.requests.values())
+    assert summary["finished"] == 40 and summary["errors"] == 0
+    check = check_synthetic(DataDir(tmp_path), ids)
+    assert check.ok() and check.finished == 40 and check.errored == 0
+    assert dying.posts > 5 and healthy_requests >= 35  # the dying one served its 5, the rest went to the other
+    aside = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert any(closed in m for m in aside) and any(dying.url in m for m in aside)
+    assert {r.server for r in load_responses(DataDir(tmp_path).responses)} <= {dying.url, healthy.url}
+
+
+def test_no_server_answering_at_start_stops_01b_naming_them(tmp_path, toy_llama, toy_meta):
+    write_questions(tmp_path, 3)
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with pytest.raises(StageError, match="no server answers: .*" + urls[0].replace(".", r"\.") + ".*--vllm-url"):
+        run_generate(_config(tmp_path, toy_llama, toy_meta, urls, served_model_name=""))
+
+
+def test_the_pool_takes_a_server_back_once_it_answers_on_its_port():
+    """Set aside at start (its port refused), probed on /health, then routed to again once a server listens there:
+    with more in flight on the other server, the next pick is the one taken back."""
+    port = free_port()
+
+    async def drill() -> None:
+        with StubServer("ok") as live:
+            async with ServerPool([f"http://127.0.0.1:{port}", live.url], 5.0, 8, flag="--vllm-url") as pool:
+                served = await pool.open()
+                assert list(served) == [1] and list(pool.aside) == [0]
+                assert [pool.acquire() for _ in range(3)] == [1, 1, 1]  # never the one set aside
+                with StubServer("ok", port=port):
+                    for _ in range(600):  # probes back off from 1 s; bounded so a bug fails instead of hanging
+                        if not pool.aside:
+                            break
+                        await asyncio.sleep(0.1)
+                    assert not pool.aside and pool.served[0].name == "stub"
+                    assert pool.acquire() == 0  # fewest in flight: 0 against 3
+
+    asyncio.run(drill())
