@@ -79,6 +79,8 @@ class GenerateConfig:
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
     request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
     overwrite: bool = False  # start afresh: delete synthetic/ responses, data, errors (e.g. after a bad server setup)
+    server_args: str = ""  # without --vllm-url: start the verifier's server here with these vLLM flags, e.g. "--tensor-parallel-size 8 --reasoning-parser kimi_k2"; empty = a URL is required
+    server_start_timeout_s: float = 3600.0  # seconds to wait for that server to answer (K2.5 loads for tens of minutes)
 
 
 @dataclass
@@ -289,8 +291,15 @@ class PipelineConfig:
 
     def _validate_generate(self) -> None:
         g = self.generate
-        if not self.shared.vllm_url:
-            raise ConfigError("shared.vllm_url is empty: pass --vllm-url http://HOST:PORT (repeatable)")
+        if not self.shared.vllm_url and not g.server_args:
+            raise ConfigError("shared.vllm_url is empty: pass --vllm-url http://HOST:PORT (repeatable), or set "
+                              "generate.server_args (e.g. --server-args '--tensor-parallel-size 8 --reasoning-parser "
+                              "kimi_k2') to start the verifier's server here")
+        if not self.shared.vllm_url and not self.shared.verifier:
+            raise ConfigError("generate.server_args starts a server for shared.verifier, which is empty: pass "
+                              "--verifier DIR")
+        if g.server_start_timeout_s <= 0:
+            raise ConfigError(f"generate.server_start_timeout_s must be > 0, got {g.server_start_timeout_s}")
         for url in self.shared.vllm_url:
             if not url.startswith(("http://", "https://")) or url.rstrip("/").endswith("/v1"):
                 raise ConfigError(f"shared.vllm_url {url!r}: give the server root without /v1, e.g. http://HOST:8000")

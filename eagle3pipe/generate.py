@@ -6,6 +6,11 @@ ids, loss mask on the completion) and ``synthetic/errors.jsonl`` (requests that 
 is appended and flushed when its request ends; a rerun of the same command resumes: finished ids are skipped,
 errored ids retried (unless their kind is in ``permanent_error_kinds``), no id is written twice.
 
+The servers: ``--vllm-url`` (repeatable: one per node), or, without one, a server this stage starts on this machine
+with ``generate.server_args`` (``--tensor-parallel-size 8 --reasoning-parser kimi_k2 ...``) and stops when it ends,
+as stages 02 and 05 do (``server.VllmServer``: its log in ``logs/01b_vllm_server.log``, a guard process that stops
+it if this one dies, the free-GPU-memory check first), so ``run_all.sh`` goes 01 -> 05 on one node unattended.
+
 The run's sampling settings go into ``synthetic/run.json`` before the first request, so a resume with other settings
 is refused by name. ``provenance.json`` is written only when the run is complete (every id finished or errored with
 an accepted kind, at most ``max_error_share`` others) and is removed when a rerun starts adding to the folder:
@@ -26,7 +31,9 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import shlex
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +42,7 @@ from .cli import StageError
 from .config import PipelineConfig
 from .generate_requests import EmptyReasoningError, Generator, trainable, training_row
 from .progress import Progress
+from .server import ServerError, VllmServer, default_vllm_python, probe_vllm
 from .records import (
     DataDir,
     JsonlAppender,
@@ -229,6 +237,35 @@ def _check_errors(dd: DataDir, cfg: PipelineConfig, question_ids: list[str]) -> 
     return {"errored": n_open, "errored_kinds": dict(open_errors), "accepted_permanent": dict(accepted)}
 
 
+@contextmanager
+def own_server(cfg: PipelineConfig, dd: DataDir, needed: bool):
+    """Without ``--vllm-url``: start the verifier's server with ``generate.server_args`` (when there is anything to
+    send), yield its URL list, stop it on the way out whatever happens. With one: yield None (the URLs given)."""
+    g = cfg.generate
+    if cfg.shared.vllm_url or not needed:
+        yield None
+        return
+    python = default_vllm_python()
+    try:
+        cpu = probe_vllm(python).platform == "cpu"
+    except ServerError as e:
+        raise StageError(str(e)) from None
+    server = VllmServer(cfg.shared.verifier, extra_args=shlex.split(g.server_args),
+                        served_model_name=g.served_model_name or None, log_file=dd.logs / "01b_vllm_server.log",
+                        python=python, enforce_eager=cpu, kv_cache_gib=1 if cpu else None, gpu_memory_check=not cpu,
+                        startup_timeout_s=g.server_start_timeout_s, trust_remote_code=cfg.shared.trust_remote_code)
+    log.info("no --vllm-url: starting the verifier's server with generate.server_args (log %s)", server.log_file)
+    try:
+        server.start()
+    except ServerError as e:  # a known failure: the message holds the log's tail, not a traceback
+        raise StageError(f"{e}\n(generate.server_args, generate.server_start_timeout_s)") from None
+    try:
+        yield [server.url]
+    finally:
+        server.stop()
+        log.info("stopped the server this stage started (pid %d)", server.pid)
+
+
 def run_generate(cfg: PipelineConfig) -> dict:
     """Stage 01b entry point; returns the run summary (also logged and written into provenance.json)."""
     started = time.time()
@@ -259,10 +296,10 @@ def run_generate(cfg: PipelineConfig) -> dict:
     progress = Progress(len(questions), unit="req", initial=len(questions) - len(todo),
                         every_s=cfg.shared.progress_every_s, desc="Progress")
     interrupted: BaseException | None = None
-    with JsonlAppender(dd.responses) as responses_out, JsonlAppender(dd.synthetic_data) as data_out, \
-            JsonlAppender(dd.synthetic_errors) as errors_out:
+    with own_server(cfg, dd, bool(todo)) as urls, JsonlAppender(dd.responses) as responses_out, \
+            JsonlAppender(dd.synthetic_data) as data_out, JsonlAppender(dd.synthetic_errors) as errors_out:
         gen = Generator(cfg, tokenizer, special, resume.previous_attempts, progress,
-                        responses_out, data_out, errors_out)
+                        responses_out, data_out, errors_out, urls=urls)
         # the guard judges the whole run: it starts from the responses finished before
         gen.stats.guard_seen, gen.stats.guard_empty = resume.judged, resume.empty
         gen.stats.first_empty = resume.first_empty

@@ -86,7 +86,7 @@ def _synthetic_finished(dd: DataDir) -> bool:
 def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers: bool = False) -> list[dict]:
     overrides = {"shared": {"vllm_url": vllm_url}} if vllm_url else None
     cfg = load_config(config_path, overrides)
-    has_server = bool(cfg.shared.vllm_url)
+    has_server = bool(cfg.shared.vllm_url or cfg.generate.server_args)  # a URL, or 01b starts its own server
     extra: dict[str, list[str]] = {name: [] for name, _, _ in STAGES}
     dd = DataDir(cfg.data_dir)
     stage_config = str(Path(config_path).resolve())
