@@ -14,6 +14,7 @@ Servers run bf16 (as K2.5 is served); the reference runs fp32. Module-scoped ser
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -340,16 +341,61 @@ def test_two_servers_give_the_same_files_as_one(storage, toy_llama, llama_server
         assert torch.equal(load_hidden_states(a)["hidden_states"], load_hidden_states(b)["hidden_states"]), i
 
 
-def test_a_request_cannot_write_outside_the_storage_folder(storage, llama_server, tmp_path_factory):
-    """vLLM's example connector lets any client write anywhere on the server (allow_custom_save_path); ours only
-    inside its storage folder: a path outside is refused and the file goes to the default place instead."""
+def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_llama, llama_server,
+                                                                tmp_path_factory):
+    """Issue 19 item 4. vLLM's example connector lets any client write anywhere (allow_custom_save_path), and its
+    default path <storage>/<request id>.safetensors embeds the client's X-Request-Id; a non-string path killed the
+    engine. Ours refuses every final path outside the storage folder or not a .safetensors file: no file lands
+    anywhere, the reply says why, /health still answers, and the next good request is served."""
+    import os
+
     import httpx2
 
-    outside = tmp_path_factory.mktemp("outside") / "hs_0.safetensors"
+    from eagle3pipe.records import read_hidden_states_header
+
+    outside = tmp_path_factory.mktemp("outside")
+    escape = "a/../" + os.path.relpath(outside, storage.resolve()) + "/x"  # <storage>/cmpl-a/../../outside/x...
+    hostile = [
+        ({"X-Request-Id": escape}, None),  # the default path, built from the client's request id
+        ({}, {"hidden_states_path": str(outside / "hs_0.safetensors")}),  # a path outside
+        ({}, {"hidden_states_path": str(storage / ".." / outside.name / "hs_1.safetensors")}),  # through ..
+        ({}, {"hidden_states_path": 12345}),  # not a string: raised inside the scheduler, the engine died
+        ({}, {"hidden_states_path": str(storage / "dense_vllm/hidden_states/work/shard_0/done.jsonl")}),  # a journal
+        ({}, {"hidden_states_path": str(storage / "nul\u0000.safetensors")}),
+        ({}, {"hidden_states_path": "relative.safetensors"}),
+    ]
+    before = sorted(storage.rglob("*"))
+    body = {"model": llama_server.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 1}
+    for headers, params in hostile:
+        reply = httpx2.post(llama_server.url + "/v1/completions", headers=headers, timeout=120,
+                            json={**body, **({"kv_transfer_params": params} if params else {})})
+        assert reply.status_code == 200, (headers, params, reply.text[:300])
+        kv = reply.json().get("kv_transfer_params") or {}
+        assert "hidden_states_path" not in kv and kv["hidden_states_error"].startswith("refused: "), (params, kv)
+    assert httpx2.get(llama_server.url + "/health", timeout=30).status_code == 200  # the engine lives on
+    good = storage / "after_refusals.safetensors"
     reply = httpx2.post(llama_server.url + "/v1/completions", timeout=120, json={
-        "model": llama_server.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 1,
-        "kv_transfer_params": {"hidden_states_path": str(outside)}}).json()
-    written = Path(reply["kv_transfer_params"]["hidden_states_path"])
-    assert written.parent == storage.resolve() and written != outside
-    time.sleep(2)
-    assert not outside.exists() and written.exists()
+        **body, "kv_transfer_params": {"hidden_states_path": str(good)}}).json()
+    assert reply["kv_transfer_params"]["hidden_states_path"] == str(good)
+    asyncio.run(extract_vllm.wait_written(good, 60))
+    assert read_hidden_states_header(good)[0] == [5, 6, 7, 8]
+    good.unlink()
+    Path(f"{good}.lock").unlink()
+    assert sorted(storage.rglob("*")) == before and not any(outside.rglob("*"))  # nothing written anywhere
+
+
+def test_a_closed_first_url_does_not_stop_the_stage(storage, toy_llama, llama_server):
+    """Issue 19 item 3, through the CLI: --extract-url of a closed port first (today: exit 2 at start, "cannot
+    list models"), then a real server: every row extracted through it, the closed one named as set aside."""
+    from eagle3pipe.server import free_port
+
+    rows = write_rows(storage / "closed_first", 6, seed=13, min_len=8, max_len=40)
+    dd = DataDir(storage / "closed_first")
+    closed = f"http://127.0.0.1:{free_port()}"
+    res = subprocess.run(_door(dd.root, toy_llama, [closed, llama_server.url]), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"{closed} does not answer" in res.stderr and "set aside" in res.stderr
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert manifest.num_samples == len(rows) and manifest.num_dropped == 0
+    for i, row in enumerate(rows):
+        assert load_hidden_states(dd.hs_file(i))["token_ids"].tolist() == row["input_ids"]

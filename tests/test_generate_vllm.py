@@ -304,3 +304,57 @@ def test_prompt_over_the_context_is_a_named_error_kind_the_user_can_accept(tmp_p
                                    permanent_error_kinds=["context_too_long"]))
     assert summary["finished"] == 0 and summary["accepted_permanent"] == {"context_too_long": 1}
     assert check_synthetic(DataDir(tmp_path), [q.id for q in questions]).finished == 3
+
+
+def _door_argv(data_dir, verifier, meta, urls: list[str], *extra: str) -> list[str]:
+    argv = [sys.executable, "01b_generate_synthetic.py", "--data-dir", str(data_dir), "--verifier", str(verifier),
+            "--think-token-id", str(meta["think_token_id"]), "--response-token-id", str(meta["response_token_id"]),
+            "--max-completion-tokens", "32", "--min-completion-tokens", "4", "--temperature", "0", "--concurrency",
+            "2", "--max-seq-len", "2048", "--progress-every-s", "1", "--request-extra-json", json.dumps(_extra())]
+    for url in urls:
+        argv += ["--vllm-url", url]
+    return argv + list(extra)
+
+
+def test_a_closed_first_url_does_not_stop_01b(tmp_path, vllm_server, toy_llama, toy_meta):
+    """Issue 19 item 3, through the CLI: a closed port as the first --vllm-url (today: exit 2 at start, "cannot
+    list models"), then the real server: every question answered through it, the closed one named as set aside."""
+    from eagle3pipe.server import free_port
+
+    questions = _questions(tmp_path, 6)
+    closed = f"http://127.0.0.1:{free_port()}"
+    res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [closed, vllm_server.url]),
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"{closed} does not answer" in res.stderr and "set aside" in res.stderr
+    _check_capture(tmp_path, toy_llama, questions, load_tokenizer(toy_llama), toy_meta["think_token_id"])
+    assert {r.server for r in load_responses(DataDir(tmp_path).responses)} == {vllm_server.url}
+
+
+def test_01b_starts_and_stops_its_own_server_without_a_url(tmp_path, toy_llama, toy_meta):
+    """Issue 19 item 10: no --vllm-url, generate.server_args set: 01b starts the verifier's server (the launcher
+    02/05 use: its log under logs/, the API key from $VLLM_API_KEY required by it and sent by every client of
+    ours), generates, and stops it: its process group is gone after the stage."""
+    import re
+
+    from eagle3pipe.server import API_KEY_ENV
+
+    questions = _questions(tmp_path, 6)
+    key = "k-" + os.urandom(8).hex()
+    server_args = f"--reasoning-parser kimi_k2 --max-model-len 2048 --api-key {key}"  # enforced by the server
+    res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [], "--server-args", server_args),
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, API_KEY_ENV: key})
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_capture(tmp_path, toy_llama, questions, load_tokenizer(toy_llama), toy_meta["think_token_id"])
+    ready = re.search(r"vLLM ready at (http://\S+) after \d+ s \(pid (\d+)\)", res.stderr)
+    assert ready, res.stderr[-3000:]
+    url, pid = ready.group(1), int(ready.group(2))
+    assert f"stopped the server this stage started (pid {pid})" in res.stderr
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the server and every worker of its process group
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(url + "/health", timeout=5)
+    log = (DataDir(tmp_path).logs / "01b_vllm_server.log").read_text()
+    assert "kimi_k2" in log and "api_key" in log
+    assert {r.server for r in load_responses(DataDir(tmp_path).responses)} == {url}
