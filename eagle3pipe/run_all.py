@@ -10,7 +10,8 @@ it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress
 server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
 written only after the stage exited 0.
 
-01b runs only when a vLLM URL is configured. Without one, 02/03 read ``synthetic/`` if an earlier 01b finished it
+01b runs only when a vLLM URL is configured, or ``generate.server_args`` (01b then starts its own server). Without
+either, 02/03 read ``synthetic/`` if an earlier 01b finished it
 (its provenance says so), else ``prepared/``: the stages then get a resolved copy of the config with
 ``extract.input: prepared`` (``<data_dir>/run_all/resolved_config.yaml``). Training a thinking model (``thinking:
 true``) on prepared/'s human-written answers is refused unless ``--allow-human-answers``: after ``<think>`` the
