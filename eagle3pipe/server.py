@@ -153,10 +153,13 @@ class ServedModel:
 
 
 def is_connection_failure(error: BaseException) -> bool:
-    """The server did not answer at all (refused, reset, unreachable); a timeout is not one: a busy server is slow."""
+    """The server did not answer at all (refused, reset, unreachable, no connection within the connect timeout); a
+    reply that is late is not one: a busy server is slow."""
     import openai
 
-    return isinstance(error, openai.APIConnectionError) and not isinstance(error, openai.APITimeoutError)
+    if isinstance(error, openai.APITimeoutError):
+        return isinstance(error.__cause__, httpx2.ConnectTimeout)
+    return isinstance(error, openai.APIConnectionError)
 
 
 class ServerPool:
@@ -261,6 +264,8 @@ class ServerPool:
     async def _probe(self, idx: int) -> None:
         import openai
 
+        from .cli import StageError
+
         delay = PROBE_FIRST_S
         while True:
             await asyncio.sleep(delay)
@@ -270,7 +275,7 @@ class ServerPool:
                     continue
                 if idx not in self.served:  # down since the start: what does it serve?
                     self.served[idx] = await self._list_model(idx)
-            except (httpx2.HTTPError, openai.OpenAIError):
+            except (httpx2.HTTPError, openai.OpenAIError, StageError):  # not answering yet, or no model yet
                 continue
             if self.model and self.served[idx].name != self.model:
                 log.error("%s answers again but serves %s, not %s: left aside", self.urls[idx],
