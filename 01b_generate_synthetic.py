@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Stage 01b: regenerate every answer with the target itself through a running vLLM server (reasoning + exact ids).
+"""Stage 01b: regenerate every answer with the target itself through vLLM servers (reasoning + exact ids): running
+ones (--vllm-url, repeatable), or, without a URL, one it starts and stops itself (--server-args, generate.server_args).
 
 Usage (the server runs elsewhere, e.g. `vllm serve moonshotai/Kimi-K2.5 --reasoning-parser kimi_k2 ...`):
     nohup python 01b_generate_synthetic.py --config configs/kimi_k25.yaml \\

@@ -41,7 +41,7 @@ from .chat import ChatError, normalize_messages, question_messages
 from .cli import StageError
 from .config import PipelineConfig
 from .records import DataDir, FormatError, read_jsonl, save_eval_report
-from .server import ServerError, ServerMetrics, VllmServer, make_async_client, probe_vllm, read_metrics
+from .server import ServerError, ServerMetrics, VllmServer, auth_headers, make_async_client, probe_vllm, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def speculative_config(draft_dir: Path, k: int) -> str:
 def _served_model(url: str) -> str:
     import httpx2
 
-    resp = httpx2.get(url.rstrip("/") + "/v1/models", timeout=10.0)
+    resp = httpx2.get(url.rstrip("/") + "/v1/models", headers=auth_headers(), timeout=10.0)
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 

@@ -7,7 +7,7 @@ states as our per-sample file, into the path the request names: ``hidden_states/
 the same files and journal the transformers backend writes, so ``extract.finalize`` and stages 03/04 are unchanged.
 
 This module starts a server (``extract.server_args`` for TP etc.) or uses running ones (``--extract-url``,
-repeatable: samples are spread over them, e.g. one server per node), then:
+repeatable: samples are spread over the ones that answer, ``server.ServerPool``, e.g. one server per node), then:
 
 1. drops, listed, the rows longer than the server's ``max_model_len``;
 2. checks the capture before the bulk run: for the first samples (``extract.verify_tokens`` tokens), the verifier's
