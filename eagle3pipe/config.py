@@ -79,7 +79,7 @@ class GenerateConfig:
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
     request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
     overwrite: bool = False  # start afresh: delete synthetic/ responses, data, errors (e.g. after a bad server setup)
-    server_args: str = ""  # without --vllm-url: start the verifier's server here with these vLLM flags, e.g. "--tensor-parallel-size 8 --reasoning-parser kimi_k2"; empty = a URL is required
+    server_args: str = ""  # no --vllm-url: start the verifier's server here with these vLLM flags ("" = URL needed)
     server_start_timeout_s: float = 3600.0  # seconds to wait for that server to answer (K2.5 loads for tens of minutes)
 
 

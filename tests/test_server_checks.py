@@ -129,8 +129,8 @@ def test_guard_refuses_another_vllm_version_or_a_missing_private_name():
     check_connector_class("0.32.0", _fake_connector(), FakePendingSave, FakeMetadata)
     check_connector_class("0.33.1", _fake_connector(), FakePendingSave, FakeMetadata)
     for version in ("0.34.0", "0.31.2", "0.33.0.dev12+gabc", "1.0.0"):
-        with pytest.raises(VllmInternalsError, match=rf"vLLM {re.escape(version)} is not a version it was proven on \(0\.32\.x, "
-                                                     r"0\.33\.x\)"):
+        proven = r"is not a version it was proven on \(0\.32\.x, 0\.33\.x\)"
+        with pytest.raises(VllmInternalsError, match=rf"vLLM {re.escape(version)} {proven}"):
             check_connector_class(version, _fake_connector(), FakePendingSave, FakeMetadata)
     with pytest.raises(VllmInternalsError, match="lacks ExampleHiddenStatesConnector._submit_async_write"):
         check_connector_class("0.32.0", _fake_connector("_submit_async_write"), FakePendingSave, FakeMetadata)
