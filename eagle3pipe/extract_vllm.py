@@ -426,8 +426,8 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
         for outcome in outcomes:
             if outcome.entry is not None and outcome.entry.local_index >= 0:
                 remove_sample_files(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))
-        where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions ({exact / max(total, 1):.1%} "
-                          "exactly)" for idx, (exact, near, total) in failed.items())
+        where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions "
+                          f"({exact / max(total, 1):.1%} exactly)" for idx, (exact, near, total) in failed.items())
         raise StageError(
             f"capture check failed: the verifier's final norm and lm_head applied to the stored final states predict "
             f"the server's own top-1 next token at {where}, near-ties within {NEAR_TIE_NATS} nats counted "
