@@ -35,6 +35,8 @@ from eagle3pipe.records import (  # noqa: E402
     HiddenStatesManifest,
     VocabSummary,
     read_jsonl,
+    hs_file_metadata,
+    hs_layer_ids,
     save_hidden_states,
     save_hs_manifest,
     save_hs_rows,
@@ -80,7 +82,8 @@ def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, len
         t = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
         ids = torch.randint(0, dims["vocab"], (t,), generator=g)
         states = torch.randn(t, 4, dims["hidden"], device=device, dtype=torch.bfloat16)
-        save_hidden_states(dd.hs_file(i), states, ids, storage)
+        save_hidden_states(dd.hs_file(i), states, ids, storage,
+                           metadata=hs_file_metadata(hs_layer_ids(aux, dims["layers"]), dims["layers"]))
         rows.append((ids.tolist(), [0] * 16 + [1] * (t - 16)))
         tokens += t
     save_hs_rows(dd.hidden_states, rows)

@@ -28,6 +28,12 @@ class StageError(RuntimeError):
     """A stage refuses to go on; the message says what was found and which flag or file fixes it."""
 
 
+def errors_allowed(max_error_share: float, total: int) -> int:
+    """How many of ``total`` items may stay errored (retryable: a rerun retries them) while a stage still finishes:
+    ``--max-error-share`` of 01b and 02, one rule for both."""
+    return int(max_error_share * total)
+
+
 class StageInterrupted(SystemExit):
     """SIGTERM arrived. A SystemExit, so asyncio and library code let it through as they do a real exit."""
 

@@ -94,6 +94,7 @@ class ExtractConfig:
     request_timeout_s: float = 600.0  # vllm: per-request client timeout, seconds
     max_retries: int = 3  # vllm: retries after a timeout, connection error, 5xx or a file that fails its check
     retry_backoff_s: float = 2.0  # vllm: wait before the first retry, seconds; doubled per retry
+    max_error_share: float = 0.0  # vllm: exit non-zero while more than this share of rows is left open by transient failures (a rerun retries them)
     verify_tokens: int = 2048  # vllm: tokens of the first samples whose next-token top-1 from the stored final state is checked against the server's prompt_logprobs before the bulk run; 0 = off
     verify_min_agreement: float = 0.99  # vllm: stop before the bulk run when that top-1 agreement is lower
     storage_dtype: str = "bf16"  # "bf16" (whatever model_dtype) or "fp8" (e4m3 values, one scale per token and state)
@@ -274,8 +275,9 @@ class PipelineConfig:
             raise ConfigError("extract.concurrency must be >= 1, extract.max_retries and verify_tokens >= 0")
         if ex.request_timeout_s <= 0 or ex.retry_backoff_s <= 0 or ex.server_start_timeout_s <= 0:
             raise ConfigError("extract.request_timeout_s, retry_backoff_s and server_start_timeout_s must be > 0")
-        if not 0.0 <= ex.verify_min_agreement <= 1.0:
-            raise ConfigError(f"extract.verify_min_agreement must be in [0, 1], got {ex.verify_min_agreement}")
+        for key in ("verify_min_agreement", "max_error_share"):
+            if not 0.0 <= getattr(ex, key) <= 1.0:
+                raise ConfigError(f"extract.{key} must be in [0, 1], got {getattr(ex, key)}")
 
     def _validate_lengths(self) -> None:
         """Every row a stage keeps must fit one packed training row: speculators 0.9 cuts a longer sample to

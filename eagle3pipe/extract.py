@@ -14,6 +14,7 @@ writes the rows dataset, errors.jsonl, and last the manifest.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import StageError
+from .cli import StageError, errors_allowed
 from .config import ConfigError, PipelineConfig
 from .extract_worker import ShardJob, worker_main, clean_shard_dir, extract_shard
 from .progress import format_duration
@@ -36,6 +37,7 @@ from .records import (
     HsJournalEntry,
     atomic_write_json,
     check_synthetic_finished,
+    forget_hs_journal_entries,
     hs_bytes_estimate,
     hs_bytes_per_token,
     load_hs_journal,
@@ -193,11 +195,8 @@ def preflight_gpu_memory(need: int, have: int, verifier: str, model_dtype: str) 
             "extract.backend: vllm (--backend vllm: vLLM's int4 kernels, tensor parallel over the node's GPUs)")
 
 
-def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
-             config_hash: str) -> HiddenStatesManifest:
-    """Rename shard files to hs_{i} in input order, write rows dataset, errors.jsonl and (last) the manifest.
-
-    Idempotent: a file already moved (source gone, target present) is left; a crash here is redone by a rerun."""
+def journal_entries(dd: DataDir) -> dict[int, HsJournalEntry]:
+    """Every journalled sample by input position (the first entry wins), each with its ``shard``."""
     entries: dict[int, HsJournalEntry] = {}
     for shard_dir in sorted(dd.hs_work.glob("shard_*")):
         shard = int(shard_dir.name.split("_")[1])
@@ -205,34 +204,106 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
             if e.position not in entries:
                 e.shard = shard  # type: ignore[attr-defined]
                 entries[e.position] = e
-    missing = [i for i in range(len(rows)) if i not in entries]
+    return entries
+
+
+def written_files(dd: DataDir, entries: dict[int, HsJournalEntry]) -> list[tuple[HsJournalEntry, Path, Path]]:
+    """(entry, its shard file, its final hs_{g}) of every written sample, g in input order: finalize's renames."""
+    written = [entries[i] for i in sorted(entries) if entries[i].local_index >= 0]
+    return [(e, dd.hs_shard_file(e.shard, e.local_index), dd.hs_file(g))  # type: ignore[attr-defined]
+            for g, e in enumerate(written)]
+
+
+def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
+    """Undo a finalize that left samples open (within --max-error-share) so this run retries them: every file goes
+    back to its shard (the journals are those finalize renamed from, so the mapping is the same), then the manifest
+    goes. Idempotent: an interrupted reopen is finished by the next run (the manifest is removed last)."""
+    log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
+             dd.hidden_states, manifest.num_retryable)
+    for _, src, dst in written_files(dd, journal_entries(dd)):
+        if dst.exists() and not src.exists():
+            os.replace(dst, src)
+    dd.provenance(dd.hidden_states).unlink(missing_ok=True)
+    dd.hs_manifest.unlink()
+
+
+def forget_lost_files(dd: DataDir, lost: list[tuple[HsJournalEntry, Path, Path]]) -> None:
+    """Journal entries whose file is gone (deleted, a lost disk) are removed, so the next run re-extracts exactly
+    those rows (every other file stays); then the stage stops, saying so."""
+    by_shard: dict[int, set[int]] = {}
+    for e, _, _ in lost:
+        by_shard.setdefault(e.shard, set()).add(e.position)  # type: ignore[attr-defined]
+    for shard, positions in by_shard.items():
+        forget_hs_journal_entries(dd.hs_shard_journal(shard), positions)
+    e, src, _ = lost[0]
+    raise StageError(f"{len(lost)} samples journalled as written have no file (first: row {e.id}, line "
+                     f"{e.position + 1}: {src}); their journal entries are removed: rerun the stage to re-extract "
+                     "exactly them (every other sample is kept)")
+
+
+def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
+             config_hash: str, open_samples: dict[int, str] | None = None) -> HiddenStatesManifest:
+    """Rename shard files to hs_{i} in input order, write rows dataset, errors.jsonl and (last) the manifest.
+    ``open_samples`` ({position: reason}): samples transient failures left open, within --max-error-share: listed
+    in errors.jsonl as retryable, counted in ``num_retryable`` (a rerun reopens the output and retries them).
+
+    Idempotent: a file already moved (source gone, target present) is left; a crash here is redone by a rerun."""
+    open_samples = open_samples or {}
+    entries = journal_entries(dd)
+    missing = [i for i in range(len(rows)) if i not in entries and i not in open_samples]
     if missing:
         raise StageError(f"{len(missing)} samples have no result (first lines: {[m + 1 for m in missing[:5]]}); "
                          "rerun the stage to extract them")
-    written = [entries[i] for i in sorted(entries) if entries[i].local_index >= 0]
+    files = written_files(dd, entries)
+    written = [e for e, _, _ in files]
     dropped = [entries[i] for i in sorted(entries) if entries[i].local_index < 0]
+    lost = [f for f in files if not f[1].exists() and not f[2].exists()]
+    if lost:  # checked before any rename: the mapping stays that of the journals
+        forget_lost_files(dd, lost)
     dd.hs_files.mkdir(parents=True, exist_ok=True)
-    for g, e in enumerate(written):
-        src, dst = dd.hs_shard_file(e.shard, e.local_index), dd.hs_file(g)  # type: ignore[attr-defined]
+    for _, src, dst in files:
         if src.exists():
             os.replace(src, dst)
-        elif not dst.exists():
-            raise FormatError(f"{src}: journalled as written but missing (and {dst} absent); rerun with --overwrite")
     for stale in dd.hs_files.glob("hs_*.safetensors"):
         if int(stale.stem[3:]) >= len(written):
             stale.unlink()
     save_hs_rows(dd.hidden_states, [(rows[e.position].input_ids, rows[e.position].loss_mask) for e in written])
-    write_jsonl_atomic(dd.hs_errors, [DroppedRow(identity["input"], e.position, e.reason, e.id).to_json()
-                                      for e in dropped])
+    listed = [(e.position, e.reason, e.id) for e in dropped]
+    listed += [(i, f"retryable: {reason} (a rerun of stage 02 retries it)", rows[i].id)
+               for i, reason in open_samples.items()]
+    write_jsonl_atomic(dd.hs_errors, [DroppedRow(identity["input"], position, reason, row_id).to_json()
+                                      for position, reason, row_id in sorted(listed)])
     manifest = HiddenStatesManifest(
         verifier=identity["verifier"], num_layers=num_layers, aux_layer_ids=identity["aux_layer_ids"],
         hidden_size=hidden_size, model_dtype=identity["model_dtype"], storage_dtype=identity["storage_dtype"],
-        num_samples=len(written), num_tokens=sum(e.num_tokens for e in written), num_dropped=len(dropped),
-        bytes=sum(e.bytes for e in written), input=identity["input"], config_hash=config_hash,
-        states=state_names(identity["aux_layer_ids"], num_layers),
+        num_samples=len(written), num_tokens=sum(e.num_tokens for e in written),
+        num_dropped=len(dropped) + len(open_samples), bytes=sum(e.bytes for e in written), input=identity["input"],
+        config_hash=config_hash, states=state_names(identity["aux_layer_ids"], num_layers),
+        num_retryable=len(open_samples),
     )
     save_hs_manifest(dd.hs_manifest, manifest)
     return manifest
+
+
+def check_open_share(cfg: PipelineConfig, rows, open_samples: dict[int, str]) -> None:
+    """01b's rule (--max-error-share): more samples left open by transient failures than the share allows stop the
+    stage (exit 2, no manifest: stages 03/04 refuse hidden_states/), naming them and how to resume; fewer finish it
+    without them, listed, and a rerun still retries them."""
+    if not open_samples:
+        return
+    share = cfg.extract.max_error_share
+    allowed = errors_allowed(share, len(rows))
+    kinds = collections.Counter(reason.split(":", 1)[0] for reason in open_samples.values())
+    first = min(open_samples)
+    summary = (f"{len(open_samples)} of {len(rows)} samples are not extracted after {1 + cfg.extract.max_retries} "
+               f"attempts ({', '.join(f'{k} {v}' for k, v in kinds.most_common())}; first: row {rows[first].id}, "
+               f"line {first + 1}: {open_samples[first]})")
+    if len(open_samples) > allowed:
+        raise StageError(f"{summary}; allowed: {allowed} (--max-error-share {share:g}). hidden_states/ is not "
+                         "finished (no manifest.json; stages 03/04 refuse it). Everything else is kept: rerun the "
+                         f"same command to retry exactly these {len(open_samples)} samples")
+    log.warning("%s: within --max-error-share %g: hidden_states/ is finished without them (listed in errors.jsonl "
+                "as retryable); a rerun retries them", summary, share)
 
 
 def _changed(run_before: dict | None, manifest: HiddenStatesManifest | None, identity: dict) -> str:
@@ -296,6 +367,9 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
         log.warning("--overwrite: deleting hidden states of config %s in %s", previous, dd.hidden_states)
         remove_outputs(dd)
         manifest = None
+    if manifest is not None and manifest.num_retryable:
+        reopen(dd, manifest)
+        manifest = None
     if manifest is not None:
         log.info("%s: already finished for this config (%d samples, %d tokens); nothing to do", dd.hidden_states,
                  manifest.num_samples, manifest.num_tokens)
@@ -311,22 +385,26 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     todo_tokens = sum(len(it[2]) for it in todo)
     log.info("%s: %d rows, %d already done, %d to extract (%d tokens); states %s", src, len(rows), len(done),
              len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
+    open_samples: dict[int, str] = {}
     if todo:
         preflight_disk(dd, todo_tokens, len(todo), num_states, hidden_size, ex.storage_dtype, ex.force_disk)
         shard = max({int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")} | {-1}) + 1
         t0 = time.monotonic()
         if ex.backend == "vllm":
-            extract_with_vllm(cfg, dd, shard, todo, num_layers, hidden_size, max(len(r.input_ids) for r in rows))
+            open_samples = extract_with_vllm(cfg, dd, shard, todo, num_layers, hidden_size,
+                                             max(len(r.input_ids) for r in rows))
         else:
             _extract_with_transformers(cfg, dd, shard, todo)
         elapsed = time.monotonic() - t0
         log.info("extracted %d samples / %d tokens in %s (%.0f tok/s), %s backend", len(todo), todo_tokens,
                  format_duration(elapsed), todo_tokens / max(elapsed, 1e-9), ex.backend)
-    manifest = finalize(dd, rows, identity, cfg, num_layers, hidden_size, config_hash)
+        check_open_share(cfg, rows, open_samples)
+    manifest = finalize(dd, rows, identity, cfg, num_layers, hidden_size, config_hash, open_samples)
     write_provenance(dd.provenance(dd.hidden_states), stage="extract", config_hash=config_hash,
                      config=cfg.to_dict(), inputs=[str(src), identity["verifier"]],
                      counts={"samples": manifest.num_samples, "tokens": manifest.num_tokens,
-                             "dropped": manifest.num_dropped, "bytes": manifest.bytes}, started=started)
+                             "dropped": manifest.num_dropped, "retryable": manifest.num_retryable,
+                             "bytes": manifest.bytes}, started=started)
     log.info("hidden states: %s (%d samples, %d tokens, %.2f GB %s, %d dropped), %s", dd.hidden_states,
              manifest.num_samples, manifest.num_tokens, manifest.bytes / 1e9, manifest.storage_dtype,
              manifest.num_dropped, format_duration(time.time() - started))

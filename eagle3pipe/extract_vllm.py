@@ -9,15 +9,23 @@ the same files and journal the transformers backend writes, so ``extract.finaliz
 This module starts a server (``extract.server_args`` for TP etc.) or uses running ones (``--extract-url``,
 repeatable: samples are spread over the ones that answer, ``server.ServerPool``, e.g. one server per node), then:
 
-1. drops, listed, the rows longer than the server's ``max_model_len``;
-2. checks the capture before the bulk run: for the first samples (``extract.verify_tokens`` tokens), the verifier's
-   final norm and lm_head applied to the stored final state must predict the same next token (top-1) as the
-   server's own ``prompt_logprobs`` in >= ``extract.verify_min_agreement`` of the positions, else the stage stops
-   with the figures (a wrong layer id or a wrong capture shows here; top-1 alone hid a subtly wrong capture at 96%);
+1. refuses, before sending anything, rows that do not fit the servers' ``max_model_len`` with the one generated
+   token (the count and the flag that fixes it);
+2. checks the capture before the bulk run: for the first samples (``extract.verify_tokens`` tokens, and at least one
+   per server, each server checked on its own), the verifier's final norm and lm_head applied to the stored final
+   state must predict the same next token (top-1) as the server's own ``prompt_logprobs`` in >=
+   ``extract.verify_min_agreement`` of the positions, else the stage stops with the figures (a wrong final layer or a
+   wrong model shows here; top-1 alone hid a subtly wrong capture at 96%);
 3. sends every other sample (``/v1/completions``, the row's ids as the prompt, ``max_tokens`` 1), bounded
-   concurrency, timeouts, retries with backoff; waits for the file's lock, checks its token ids and state count
-   against the row, journals it. A file that fails its check is deleted and the sample retried; requests that
-   still fail are reported and left for a rerun, which resumes through the journal.
+   concurrency, timeouts, retries with backoff; waits for the file's lock, checks it (``check_file``: the layer ids
+   the connector wrote into its metadata, dtype, token ids, shape, finite flag), journals it.
+
+What a failure becomes: a server set up otherwise than the config (other layer ids, dtype, storage folder, not our
+connector) stops the stage at once; a file whose content is wrong (other token ids or shape, non-finite states) is
+redone, then journalled as dropped for good (errors.jsonl); everything else (no reply, HTTP errors, no file, its lock
+still held: a writer that hit ENOSPC/EIO, a slow disk, per-node locks) is redone, then left open: never journalled,
+so a rerun retries exactly those samples, and ``extract.py`` stops (exit 2, no manifest) while more of them than
+``--max-error-share`` remain.
 """
 
 from __future__ import annotations
@@ -40,11 +48,12 @@ from .config import PipelineConfig
 from .progress import Progress
 from .records import (
     HS_FILE_DTYPES,
-    HS_META_FINITE,
     DataDir,
     FormatError,
     HsJournalEntry,
     JsonlAppender,
+    check_hs_file_metadata,
+    hs_layer_ids,
     load_hidden_states,
     read_hidden_states_header,
 )
@@ -82,7 +91,7 @@ Item = tuple[int, str, list[int]]  # (position in the input, row id, input_ids)
 def layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     """vLLM's ids for what we store: the states entering the aux layers, then ``num_layers`` (the last layer's
     output before the final norm). vLLM returns them in ascending id order, which is our file's order."""
-    return sorted(aux_layer_ids) + [num_layers]
+    return hs_layer_ids(aux_layer_ids, num_layers)
 
 
 def server_args(cfg: PipelineConfig, storage: Path, num_layers: int, max_model_len: int, cpu: bool) -> list[str]:
@@ -137,13 +146,20 @@ def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_le
 
 
 class BadSample(Exception):
-    """The server answered but its file does not hold the row's states: redone, and listed as dropped when it keeps
-    failing. ``config``: the server is set up otherwise than the stage (another storage folder, another dtype), so
-    every sample would fail the same way: the stage stops at once."""
+    """The server answered but the client cannot take its file. ``kind`` says what follows:
 
-    def __init__(self, message: str, config: bool = False):
+    - ``bad_file``: the file holds other than the row's states (token ids, shape): redone, and journalled as dropped
+      for good when it keeps failing;
+    - ``no_file``, ``lock_held``, ``unreadable_file``: the server's writer failed or is slow (vLLM only logs a write
+      error; a slow or shared disk): redone, then left open for a rerun, never dropped;
+    - ``config``: the server is set up otherwise than the stage (another storage folder, dtype or layer ids, not our
+      connector), so every sample would fail the same way: the stage stops at once."""
+
+    PERMANENT = "bad_file"
+
+    def __init__(self, message: str, kind: str = PERMANENT):
         super().__init__(message)
-        self.config = config
+        self.kind = kind
 
 
 @dataclass
@@ -151,6 +167,7 @@ class Outcome:
     entry: HsJournalEntry | None  # None: failed after every retry (left for a rerun)
     failure: RequestFailure | None = None
     server_top: list[dict[int, float]] | None = None  # per position: the server's top tokens and logprobs (verify)
+    server: int = -1  # index of the server that wrote the file (its URL in Extractor.urls)
 
 
 async def wait_written(path: Path, timeout_s: float) -> None:
@@ -172,28 +189,35 @@ async def wait_written(path: Path, timeout_s: float) -> None:
         finally:
             os.close(fd)
         if time.monotonic() > deadline:
-            raise BadSample(f"{lock} still locked after {timeout_s:g} s: the server's writer did not finish")
+            raise BadSample(f"{lock} still locked after {timeout_s:g} s: the server's writer did not finish",
+                            "lock_held")
         await asyncio.sleep(delay)
         delay = min(2 * delay, LOCK_POLL_S)
 
 
-def check_file(path: Path, ids: list[int], num_states: int, hidden_size: int, storage_dtype: str) -> tuple[int, bool]:
-    """(bytes, all states finite) of a written file whose token ids, shape and dtype are the row's and the config's;
-    BadSample otherwise. Reads the header and the token ids only, not the states."""
+def check_file(path: Path, ids: list[int], aux_layer_ids: list[int], num_layers: int, hidden_size: int,
+               storage_dtype: str) -> tuple[int, bool]:
+    """(bytes, all states finite) of a written file whose layer ids (its metadata), dtype, token ids and shape are
+    the config's and the row's; BadSample otherwise. Reads the header and the token ids only, not the states."""
     if not path.exists():
-        raise BadSample(f"{path}: the server wrote no file (see its log)")
+        raise BadSample(f"{path}: the server wrote no file (its writer failed: see the server's log)", "no_file")
     try:
         token_ids, shape, dtype, meta = read_hidden_states_header(path)
     except FormatError as e:
-        raise BadSample(str(e)) from None
+        raise BadSample(str(e), "unreadable_file") from None
     if dtype != HS_FILE_DTYPES[storage_dtype]:
         raise BadSample(f"{path}: hidden_states stored as {dtype}, extract.storage_dtype is {storage_dtype}: is the "
-                        "server's connector ours (eagle3pipe.vllm_connector)?", config=True)
+                        "server's connector ours (eagle3pipe.vllm_connector)?", "config")
+    try:
+        finite = check_hs_file_metadata(path, meta, aux_layer_ids, num_layers)
+    except FormatError as e:
+        raise BadSample(str(e), "config") from None
     if token_ids != ids:
         raise BadSample(f"{path}: token_ids differ from the row's input_ids ({len(token_ids)} vs {len(ids)} tokens)")
+    num_states = len(aux_layer_ids) + 1
     if shape != (len(ids), num_states, hidden_size):
         raise BadSample(f"{path}: hidden_states {shape}, expected {(len(ids), num_states, hidden_size)}")
-    return path.stat().st_size, meta.get(HS_META_FINITE, "1") == "1"
+    return path.stat().st_size, finite
 
 
 def remove_sample_files(path: Path) -> None:
@@ -240,10 +264,6 @@ class Extractor:
     bytes: int = 0
     retries: int = 0
 
-    @property
-    def num_states(self) -> int:
-        return len(self.cfg.shared.aux_layer_ids) + 1
-
     async def __aenter__(self) -> "Extractor":
         ex = self.cfg.extract
         self.pool = ServerPool(self.urls, ex.request_timeout_s, ex.concurrency + 8, flag="--extract-url")
@@ -273,8 +293,10 @@ class Extractor:
                                                 options={"timeout": self.cfg.extract.request_timeout_s})
         return json.loads(response.content)
 
-    async def one(self, item: Item, local_index: int, prompt_logprobs: bool = False) -> Outcome:
-        """Request, wait, check one sample; retries included. The journal line is the caller's to write."""
+    async def one(self, item: Item, local_index: int, prompt_logprobs: bool = False,
+                  server: int | None = None) -> Outcome:
+        """Request, wait, check one sample; retries included; on ``server`` (an index of ``urls``) when given (the
+        capture check), else on the one picked. The journal line is the caller's to write."""
         ex = self.cfg.extract
         position, row_id, ids = item
         path = self.dd.hs_shard_file(self.shard, local_index).resolve()
@@ -285,7 +307,7 @@ class Extractor:
                 await asyncio.sleep(backoff_delay_s(attempt - 1, ex.retry_backoff_s))
             remove_sample_files(path)
             try:
-                idx = self.pool.acquire()
+                idx = self.pool.acquire(server)
             except NoServerAnswers as e:
                 failure = classify_request_error(e, ex.request_timeout_s)
                 continue
@@ -295,13 +317,14 @@ class Extractor:
                 if written != path:
                     raise BadSample(f"the server wrote {written or 'nothing'} instead of {path}: start it with our "
                                     "connector (python -m eagle3pipe.extract_vllm prints the command) storing in "
-                                    f"{self.dd.hs_work.resolve()} or a folder above it", config=True)
+                                    f"{self.dd.hs_work.resolve()} or a folder above it", "config")
                 await wait_written(path, ex.request_timeout_s)
-                size, finite = check_file(path, ids, self.num_states, self.hidden_size, ex.storage_dtype)
+                size, finite = check_file(path, ids, self.cfg.shared.aux_layer_ids, self.num_layers,
+                                          self.hidden_size, ex.storage_dtype)
             except BadSample as e:
-                if e.config:
-                    raise StageError(str(e)) from None
-                failure = RequestFailure("bad_file", str(e), True)
+                if e.kind == "config":
+                    raise StageError(f"{self.urls[idx]}: {e}") from None
+                failure = RequestFailure(e.kind, str(e), True)
             except Exception as e:
                 failure = classify_request_error(e, ex.request_timeout_s)
                 if failure is None:
@@ -314,16 +337,17 @@ class Extractor:
                     log.warning("row %s (line %d): non-finite hidden states: skipped, listed in errors.jsonl",
                                 row_id, position + 1)
                     return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
-                                                  reason="non-finite hidden states (NaN/Inf)"))
+                                                  reason="non-finite hidden states (NaN/Inf)"), server=idx)
                 top = server_top(reply["choices"][0]["prompt_logprobs"]) if prompt_logprobs else None
-                return Outcome(HsJournalEntry(position, row_id, local_index, len(ids), size), server_top=top)
+                return Outcome(HsJournalEntry(position, row_id, local_index, len(ids), size), server_top=top,
+                               server=idx)
             finally:
                 self.pool.release(idx)
             if not failure.retryable:
                 break
             log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
         remove_sample_files(path)
-        if failure.kind == "bad_file":  # the server answers, but not with this row's states: listed, not retried again
+        if failure.kind == BadSample.PERMANENT:  # the server answers, but not with this row's states: listed for good
             log.warning("row %s (line %d): dropped, listed in errors.jsonl: %s", row_id, position + 1, failure.message)
             return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
                                           reason=f"file check failed {1 + ex.max_retries} times: {failure.message}"))
@@ -367,13 +391,16 @@ class Extractor:
 
 
 async def verify_capture(ex: Extractor, items: list[Item], first_local: int, head) -> tuple[float, float, int]:
-    """Extract ``items`` with prompt_logprobs and compare the next-token top-1 of the stored final states with the
-    server's. Returns (exact agreement, agreement counting near-ties, positions compared); journals the samples
-    only when the check passes. Near-ties: bf16 on the server, fp32 here from bf16-stored states, so a token the
-    server ranks within NEAR_TIE_NATS of its best is no evidence of a wrong capture; a wrong layer is far off."""
-    outcomes = await asyncio.gather(*[ex.one(item, first_local + k, prompt_logprobs=True)
+    """Extract ``items`` with prompt_logprobs, item k on the k-th answering server, round robin (every server that
+    answers is checked when there are at least as many items), and compare the next-token top-1 of the stored final states with that server's.
+    Returns (exact agreement, agreement counting near-ties, positions compared) over all servers; stops when any
+    server's agreement is below ``verify_min_agreement``; journals the samples only when every server passes.
+    Near-ties: bf16 on the server, fp32 here from bf16-stored states, so a token the server ranks within
+    NEAR_TIE_NATS of its best is no evidence of a wrong capture; a wrong layer is far off."""
+    live = ex.pool.live()
+    outcomes = await asyncio.gather(*[ex.one(item, first_local + k, prompt_logprobs=True, server=live[k % len(live)])
                                       for k, item in enumerate(items)])
-    exact = near = total = 0
+    figures = {idx: [0, 0, 0] for idx in live[:len(items)]}  # server: [exact, near, positions]
     for item, outcome in zip(items, outcomes):
         if outcome.entry is None:
             raise StageError(f"the capture check could not extract row {item[1]}: {outcome.failure.kind}: "
@@ -383,23 +410,27 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
         states = load_hidden_states(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))["hidden_states"]
         ours = head.top1(states[:-1, -1]).tolist()  # final state at t predicts the token after t
         e, n = top1_agreement(ours, outcome.server_top)
-        exact, near, total = exact + e, near + n, total + len(ours)
-    agreement = near / max(total, 1)
-    if agreement < ex.cfg.extract.verify_min_agreement:
+        f = figures[outcome.server]
+        f[0], f[1], f[2] = f[0] + e, f[1] + n, f[2] + len(ours)
+    need = ex.cfg.extract.verify_min_agreement
+    failed = {idx: f for idx, f in figures.items() if f[1] / max(f[2], 1) < need}
+    if failed:
         for outcome in outcomes:
             if outcome.entry is not None and outcome.entry.local_index >= 0:
                 remove_sample_files(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))
+        where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions "
+                          f"({exact / max(total, 1):.1%} exactly)" for idx, (exact, near, total) in failed.items())
         raise StageError(
             f"capture check failed: the verifier's final norm and lm_head applied to the stored final states predict "
-            f"the server's own top-1 next token at {agreement:.1%} of {total} positions, near-ties within "
-            f"{NEAR_TIE_NATS} nats counted ({exact / max(total, 1):.1%} exactly; {len(items)} samples; needed "
-            f"{ex.cfg.extract.verify_min_agreement:.0%}). The states are not the ones the server computes: "
-            f"check the server's eagle_aux_hidden_state_layer_ids (the last must be the layer count, "
+            f"the server's own top-1 next token at {where}, near-ties within {NEAR_TIE_NATS} nats counted "
+            f"({len(items)} samples over {len(figures)} servers; needed {need:.0%}). The states are not the ones the "
+            f"server computes: check the server's eagle_aux_hidden_state_layer_ids (the last must be the layer count, "
             f"{layer_ids(ex.cfg.shared.aux_layer_ids, ex.num_layers)} here) and that --verifier is the served "
             "model. Nothing of the bulk run was sent.")
     for outcome in outcomes:
         ex.record(outcome)
-    return exact / max(total, 1), agreement, total
+    exact, near, total = (sum(f[i] for f in figures.values()) for i in range(3))
+    return exact / max(total, 1), near / max(total, 1), total
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -407,9 +438,10 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
 
 
 def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: list[Item], num_layers: int,
-                      hidden_size: int, max_row_len: int) -> None:
-    """Stage 02's vLLM backend for the ``todo`` samples, journalled in ``work/shard_{shard}``. Raises StageError
-    (after journalling everything that finished) when samples failed, so a rerun resumes them."""
+                      hidden_size: int, max_row_len: int) -> dict[int, str]:
+    """Stage 02's vLLM backend for the ``todo`` samples, journalled in ``work/shard_{shard}``. Returns the samples
+    left open after every retry ({position: "kind: message"}: not journalled, so a rerun retries them); the caller
+    decides against ``--max-error-share`` whether the stage may finish without them."""
     from .verifier import OutputHead
 
     ex_cfg = cfg.extract
@@ -427,13 +459,21 @@ def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: list[I
         progress.close()
         if server is not None:
             server.stop()
-    if failed:
-        kinds: dict[str, int] = {}
-        for _, f in failed:
-            kinds[f.kind] = kinds.get(f.kind, 0) + 1
-        raise StageError(f"{len(failed)} samples failed after {1 + ex_cfg.max_retries} attempts ({kinds}; first: row "
-                         f"{failed[0][0][1]}: {failed[0][1].message}); everything else is kept: rerun the stage to "
-                         "extract them")
+    return {item[0]: f"{f.kind}: {f.message}" for item, f in failed}
+
+
+def refuse_rows_too_long(todo: list[Item], max_model_len: int, urls: list[str]) -> None:
+    """vLLM refuses a prompt that leaves no room for the one generated token (prompt + max_tokens 1 must fit
+    max_model_len): such rows are refused before anything is sent, with the count and the fix."""
+    long = [it for it in todo if max_model_len and len(it[2]) >= max_model_len]
+    if long:
+        longest = max(long, key=lambda it: len(it[2]))
+        raise StageError(
+            f"{len(long)} of {len(todo)} rows have {max_model_len} tokens or more (the longest: row {longest[1]}, "
+            f"line {longest[0] + 1}, {len(longest[2])} tokens), but the servers' max_model_len is {max_model_len} "
+            f"(/v1/models of {', '.join(urls)}) and each request needs room for its prompt and 1 generated token: "
+            f"start the servers with --max-model-len {max(len(it[2]) for it in long) + 1} or more (extract.server_args;"
+            " python -m eagle3pipe.extract_vllm prints the command). Nothing was sent")
 
 
 async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, journal, head_cls):
@@ -441,24 +481,20 @@ async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, jo
         model, max_model_len = await ex.server_info()
         log.info("extracting %d samples through %s (model %s, max_model_len %d), %d in flight", len(todo),
                  ", ".join(urls), model, max_model_len, cfg.extract.concurrency)
-        items, local = [], 0
-        for item in todo:
-            if max_model_len and len(item[2]) >= max_model_len:  # the one generated token needs room too
-                ex.record(Outcome(HsJournalEntry(item[0], item[1], -1, len(item[2]), 0, reason=(
-                    f"{len(item[2])} tokens: longer than the server's max_model_len {max_model_len} allows"))))
-            else:
-                items.append(item)
+        refuse_rows_too_long(todo, max_model_len, urls)
+        items, local = list(todo), 0
         if head_cls is not None and items:
             first, budget = [], cfg.extract.verify_tokens
             for item in sorted(items, key=lambda it: it[0]):
-                if budget <= 0:
+                if budget <= 0 and len(first) >= len(urls):  # the token budget, and one sample per server
                     break
                 first.append(item)
                 budget -= len(item[2])
             head = head_cls(cfg.shared.verifier, cfg.shared.trust_remote_code)
             exact, agreement, positions = await verify_capture(ex, first, local, head)
             log.info("capture check: the stored final states predict the server's top-1 next token at %.2f%% of %d "
-                     "positions (%.2f%% exactly; %d samples)", 100 * agreement, positions, 100 * exact, len(first))
+                     "positions (%.2f%% exactly; %d samples over %d servers)", 100 * agreement, positions,
+                     100 * exact, len(first), min(len(first), len(urls)))
             local += len(first)
             done = {it[0] for it in first}
             items = [it for it in items if it[0] not in done]

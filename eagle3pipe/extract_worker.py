@@ -25,6 +25,8 @@ from .records import (
     DataDir,
     HsJournalEntry,
     JsonlAppender,
+    hs_file_metadata,
+    hs_layer_ids,
     load_hs_journal,
     quantize_hidden_states,
     save_hidden_states,
@@ -188,8 +190,9 @@ class ShardWriter:
     The bytes go out with ``os.write`` from the host buffer (records.save_tensors_atomic)."""
 
     def __init__(self, dd: DataDir, shard: int, storage_dtype: str, threads: int, max_pending: int,
-                 progress: Progress):
+                 progress: Progress, metadata: dict[str, str]):
         self.dd, self.shard, self.storage_dtype = dd, shard, storage_dtype
+        self.metadata = metadata  # every file's (records.hs_file_metadata: the captured layer ids)
         self.journal = JsonlAppender(dd.hs_shard_journal(shard))
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hs-writer-{shard}")
         self.slots = threading.BoundedSemaphore(max_pending)
@@ -235,7 +238,7 @@ class ShardWriter:
                 size = save_hidden_states(
                     self.dd.hs_shard_file(self.shard, local_index), host.states[b, :t],
                     torch.tensor(ids, dtype=torch.long), self.storage_dtype,
-                    host.scales[b, :t] if host.scales is not None else None,
+                    host.scales[b, :t] if host.scales is not None else None, self.metadata,
                 )
                 entry = HsJournalEntry(position, row_id, local_index, t, size)
             self._record(entry)
@@ -345,7 +348,9 @@ def _extract_shard(job: ShardJob) -> dict:
     device = _input_device(model)
     total_tokens = sum(len(it[2]) for it in job.items)
     progress = Progress(len(job.items), unit="samples", every_s=job.progress_every_s, desc=f"shard {job.shard}")
-    writer = ShardWriter(dd, job.shard, job.storage_dtype, job.writer_threads, job.max_pending_batches, progress)
+    num_layers = len(decoder_layers(model))
+    writer = ShardWriter(dd, job.shard, job.storage_dtype, job.writer_threads, job.max_pending_batches, progress,
+                         hs_file_metadata(hs_layer_ids(job.aux_layer_ids, num_layers), num_layers))
     log.info("shard %d: %d samples, %d tokens, %d batches on %s%s%s", job.shard, len(job.items), total_tokens,
              len(batches), job.device_map or device,
              f"; pinned ring {job.max_pending_batches} x {d2h.slot_bytes / 1e9:.2f} GB" if d2h else "",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .chat import load_tokenizer, resolve_special_ids
-from .cli import StageError
+from .cli import StageError, errors_allowed
 from .config import PipelineConfig
 from .generate_requests import EmptyReasoningError, Generator, trainable, training_row
 from .progress import Progress
@@ -218,7 +218,7 @@ def _check_errors(dd: DataDir, cfg: PipelineConfig, question_ids: list[str]) -> 
         if dd.synthetic_errors.exists() else []
     accepted = collections.Counter(e.kind for e in errors if e.kind in g.permanent_error_kinds)
     open_errors = collections.Counter(e.kind for e in errors if e.kind not in g.permanent_error_kinds)
-    allowed = int(g.max_error_share * len(question_ids))
+    allowed = errors_allowed(g.max_error_share, len(question_ids))
     n_open = sum(open_errors.values())
     if n_open > allowed:
         kinds = ", ".join(f"{k} {v}" for k, v in open_errors.most_common())

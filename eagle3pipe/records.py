@@ -623,9 +623,14 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         int64 [T] (= the row's input_ids). bf16: bfloat16. fp8: float8_e4m3fn
 #                                         values + hidden_states_scales float32 [T, 4, 1], one scale per token and
 #                                         state (hs_connectors' FP8 key and dequantisation, values * scales, which
-#                                         broadcasts; `--hidden-states-backend fp8` dequantises on read)
+#                                         broadcasts; `--hidden-states-backend fp8` dequantises on read).
+#                                         safetensors metadata: layer_ids (the ids above, as captured), num_layers,
+#                                         all_finite (hs_file_metadata; 02 and 04 check them per file)
 #     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
-#     errors.jsonl                        samples not written (non-finite states), one DroppedRow each
+#     errors.jsonl                        samples not written, one DroppedRow each: content that is wrong for good
+#                                         (non-finite states, a file that keeps not holding the row), and samples
+#                                         left open within --max-error-share (reason "retryable: ..."; counted in
+#                                         manifest.num_retryable, a rerun of 02 retries them)
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
 #                                         (HsJournalEntry); finalize renames the files into hidden_states/
 
@@ -633,7 +638,10 @@ HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
 HS_SCALES_KEY = "hidden_states_scales"  # float32 [T, n, 1], fp8 storage only (same key as hs_connectors.fp8_utils)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-HS_META_FINITE = "all_finite"  # safetensors metadata the vLLM connector writes: "1", or "0" when a state is NaN/Inf
+# safetensors metadata of every sample file (both backends write it; stage 02 and stage 04 check it per file)
+HS_META_FINITE = "all_finite"  # "1", or "0" when a state is NaN/Inf (the vLLM connector's; the client drops those)
+HS_META_LAYER_IDS = "layer_ids"  # JSON list: the ids of the stored states as captured, e.g. "[2, 30, 58, 61]"
+HS_META_NUM_LAYERS = "num_layers"  # decoder layers of the verifier that computed them, e.g. "61"
 HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 
@@ -754,9 +762,53 @@ def save_tensors_atomic(path: Path, tensors: dict, metadata: dict[str, str] | No
     return 8 + len(head) + offset
 
 
-def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None) -> int:
-    """Write one sample atomically (temporary name, fsync, rename). Returns the bytes written."""
-    return save_tensors_atomic(path, hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales))
+def hs_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    """The ids of a sample file's states, in file order: the states entering the aux layers (ascending, as vLLM
+    captures them), then ``num_layers`` (the last decoder layer's output before the final norm)."""
+    return sorted(set(aux_layer_ids)) + [num_layers]
+
+
+def hs_file_metadata(layer_ids: list[int], num_layers: int, finite: bool = True) -> dict[str, str]:
+    """The metadata of one sample file: what was captured, from how deep a verifier, and whether it is finite."""
+    return {HS_META_LAYER_IDS: json.dumps([int(k) for k in layer_ids]), HS_META_NUM_LAYERS: str(int(num_layers)),
+            HS_META_FINITE: "1" if finite else "0"}
+
+
+def check_hs_file_metadata(path: Path, metadata: dict[str, str], aux_layer_ids: list[int], num_layers: int) -> bool:
+    """Whether the file's states are all finite, after checking that its metadata names the layers the config
+    stores (``hs_layer_ids``) from a ``num_layers``-layer verifier. FormatError naming both otherwise, or when a key
+    is missing (a file not written by this pipeline's writers: vLLM's own connector writes none)."""
+    missing = [k for k in (HS_META_LAYER_IDS, HS_META_NUM_LAYERS, HS_META_FINITE) if k not in metadata]
+    if missing:
+        raise FormatError(f"{path}: its metadata lacks {missing} (has {sorted(metadata)}): not written by "
+                          "eagle3pipe's stage 02 (the vLLM server's connector must be eagle3pipe.vllm_connector)")
+    want = hs_layer_ids(aux_layer_ids, num_layers)
+    try:
+        got, depth = json.loads(metadata[HS_META_LAYER_IDS]), int(metadata[HS_META_NUM_LAYERS])
+    except ValueError:
+        raise FormatError(f"{path}: unreadable layer metadata {metadata}") from None
+    if got != want or depth != num_layers:
+        raise FormatError(f"{path}: states of layer ids {got} from a {depth}-layer verifier, but the config stores "
+                          f"{want} of a {num_layers}-layer one (aux_layer_ids {list(aux_layer_ids)} + the final "
+                          "state): the server's eagle_aux_hidden_state_layer_ids are not the config's")
+    return metadata[HS_META_FINITE] == "1"
+
+
+def read_hidden_states_metadata(path: Path) -> dict[str, str]:
+    """The safetensors metadata of one sample file (its header only)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.metadata() or {}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def save_hidden_states(path: Path, hidden_states, token_ids, storage_dtype: str = "bf16", scales=None,
+                       metadata: dict[str, str] | None = None) -> int:
+    """Write one sample atomically (temporary name, fsync, rename), with ``hs_file_metadata``. Returns the bytes."""
+    return save_tensors_atomic(path, hidden_states_tensors(hidden_states, token_ids, storage_dtype, scales), metadata)
 
 
 def load_hidden_states(path: Path, dtype=None) -> dict:
@@ -849,6 +901,12 @@ def load_hs_journal(path: Path) -> list[HsJournalEntry]:
     return [HsJournalEntry.from_json(d) for d in read_jsonl(path)]
 
 
+def forget_hs_journal_entries(path: Path, positions: set[int]) -> None:
+    """Rewrite a shard's journal (atomically) without the entries of ``positions``: the next run redoes them."""
+    kept = [e.to_json() for e in load_hs_journal(path) if e.position not in positions]
+    write_jsonl_atomic(Path(path), kept)
+
+
 @dataclass
 class HiddenStatesManifest:
     """manifest.json of hidden_states/: what was extracted, from what, how it is stored."""
@@ -866,6 +924,7 @@ class HiddenStatesManifest:
     input: str  # the data.jsonl extracted
     config_hash: str  # hash of the shared + extract config sections that produced this
     states: list[str] = field(default_factory=list)  # what each of the n states is, e.g. "enter layer 2", "final"
+    num_retryable: int = 0  # of num_dropped: samples a transient failure left open (a rerun of 02 retries them)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict:

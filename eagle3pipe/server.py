@@ -234,9 +234,16 @@ class ServerPool:
     def describe_aside(self) -> str:
         return "; ".join(f"{self.urls[i]} ({why})" for i, why in sorted(self.aside.items()))
 
-    def acquire(self) -> int:
-        """A server for one request (counted in flight until ``release``)."""
-        live = [i for i in range(len(self.urls)) if i not in self.aside]
+    def live(self) -> list[int]:
+        """Indices of the servers in use (not set aside)."""
+        return [i for i in range(len(self.urls)) if i not in self.aside]
+
+    def acquire(self, server: int | None = None) -> int:
+        """A server for one request (counted in flight until ``release``): ``server`` when given (a check that must
+        reach that one), else the least busy."""
+        live = self.live()
+        if server is not None:
+            live = [server] if server in live else []
         if not live:
             raise NoServerAnswers(f"no server answers: {self.describe_aside()} (probed on /health; flag {self.flag})")
         low = min(self.in_flight[i] for i in live)

@@ -187,7 +187,6 @@ def _worker_init(worker_id: int) -> None:  # noqa: ARG001
 
 def build_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, val_dataset or None, make_loader) over <data_dir>/hidden_states with speculators' reader."""
-    from hs_connectors.transfer import FileTransfer
     from speculators.train.data import ArrowDataset
 
     _datasets_without_video()
@@ -201,9 +200,11 @@ def build_data(cfg: PipelineConfig, device: torch.device):
     if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
         from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
 
-        transfer, dataset_class, stored = Fp8KeptTransfer(dd.hs_files), Fp8ScaledDataset, torch.float8_e4m3fn
+        transfer, dataset_class, stored = Fp8KeptTransfer(dd.hs_files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
     else:
-        transfer, dataset_class, stored = FileTransfer(dd.hs_files), ArrowDataset, dtype
+        from .train_data import CheckedFileTransfer  # each file's layer ids checked against the manifest
+
+        transfer, dataset_class, stored = CheckedFileTransfer(dd.hs_files, manifest), ArrowDataset, dtype
     n = manifest.num_samples
     train_ratio = 1.0 - t.eval_fraction
     has_val = t.eval_fraction > 0 and int(n * train_ratio) < n and int(n * train_ratio) > 0

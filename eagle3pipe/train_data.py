@@ -17,7 +17,7 @@ from hs_connectors.transfer import FileTransfer
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import ArrowDataset
 
-from .records import HS_SCALES_KEY
+from .records import HS_SCALES_KEY, FormatError, check_hs_file_metadata, read_hidden_states_metadata
 
 FP8_SCALES = "fp8_scales"  # [T, k] float32 scales of a sample's fp8 states: k = 1 (one per token) or n (per state)
 # after shift_batch: the scales of hidden_states (positions 0..T-2) and of verifier_last_hidden_states (1..T-1).
@@ -26,9 +26,27 @@ FP8_SCALES_IN = "fp8_scales_in"
 FP8_SCALES_LAST = "fp8_scales_last"
 
 
-class Fp8KeptTransfer(FileTransfer):
-    """``FileTransfer`` for fp8 files that leaves the states quantised and keeps the last sample's scales, which
-    ArrowDataset would otherwise drop (it keeps only ``hidden_states`` and ``token_ids``)."""
+class CheckedFileTransfer(FileTransfer):
+    """speculators' ``FileTransfer`` that first checks each file's metadata against the manifest (the layer ids it
+    holds, the verifier's depth, finite: ``records.check_hs_file_metadata``): a file captured from other layers than
+    hidden_states/ says (a server started with other ids, a file copied in) stops training, naming it."""
+
+    def __init__(self, hidden_states_path, manifest):
+        super().__init__(hidden_states_path)
+        self.aux_layer_ids, self.num_layers = list(manifest.aux_layer_ids), manifest.num_layers
+
+    def get_cached(self, file_idx: int):
+        path = self.hidden_states_path / f"hs_{file_idx}.safetensors"  # FileTransfer's own name for file file_idx
+        if path.exists():
+            if not check_hs_file_metadata(path, read_hidden_states_metadata(path), self.aux_layer_ids,
+                                          self.num_layers):
+                raise FormatError(f"{path}: its metadata says the states hold NaN/Inf (stage 02 never keeps such)")
+        return super().get_cached(file_idx)
+
+
+class Fp8KeptTransfer(CheckedFileTransfer):
+    """``CheckedFileTransfer`` for fp8 files that leaves the states quantised and keeps the last sample's scales,
+    which ArrowDataset would otherwise drop (it keeps only ``hidden_states`` and ``token_ids``)."""
 
     last_scales: torch.Tensor | None = None
 

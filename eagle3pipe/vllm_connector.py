@@ -46,7 +46,7 @@ from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from eagle3pipe.kv_gather import Done, gather_states, request_slots
-from eagle3pipe.records import HS_META_FINITE, HS_STORAGE_DTYPES, hidden_states_tensors, save_tensors_atomic
+from eagle3pipe.records import HS_STORAGE_DTYPES, hidden_states_tensors, hs_file_metadata, save_tensors_atomic
 from eagle3pipe.vllm_internals import check_connector_class, check_connector_instance
 
 logger = init_logger(__name__)
@@ -188,19 +188,28 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
             event, states, scales, finite = gather_states(cache, slots, pending.token_ids.shape[0],
                                                           pending.storage_dtype, stream)
         tensors = hidden_states_tensors(states, pending.token_ids.clone(), pending.storage_dtype, scales)
-        future = self._executor.submit(self._write_tensors, tensors, event, pending.filename, lock_fd, finite)
+        future = self._executor.submit(self._write_tensors, tensors, event, pending.filename, lock_fd, finite,
+                                       *self._captured_layers())
         self._req_copy_events[pending.req_id] = event
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
 
+    def _captured_layers(self) -> tuple[list[int], int]:
+        """(the layer ids this server captures, in the order of the file's states; the verifier's layer count): the
+        ids the model was told to capture (vLLM sorts and dedups them, ``_set_aux_hidden_state_layers``), so a
+        server started with other ids than the client's config writes files the client refuses."""
+        ids = self._vllm_config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids
+        return sorted(set(ids)), self._vllm_config.model_config.hf_text_config.num_hidden_layers
+
     @staticmethod
     def _write_tensors(tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None,
-                       finite: torch.Tensor) -> None:
+                       finite: torch.Tensor, layer_ids: list[int], num_layers: int) -> None:
         """Writer thread: wait for the copy, write atomically where the file belongs, then release the lock. The
-        file's metadata says whether every state was finite (the client lists a sample that was not)."""
+        file's metadata names the captured layer ids and the verifier's depth (the client and stage 04 compare them
+        with their config) and whether every state was finite (the client lists a sample that was not)."""
         try:
             event.synchronize()
-            save_tensors_atomic(Path(filename), tensors, {HS_META_FINITE: "1" if bool(finite.item()) else "0"})
+            save_tensors_atomic(Path(filename), tensors, hs_file_metadata(layer_ids, num_layers, bool(finite.item())))
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: the client's shared lock goes through

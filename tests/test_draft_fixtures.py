@@ -20,6 +20,8 @@ from eagle3pipe.records import (
     DataDir,
     HiddenStatesManifest,
     TrainingRow,
+    hs_file_metadata,
+    hs_layer_ids,
     save_hidden_states,
     save_hs_manifest,
     save_hs_rows,
@@ -140,7 +142,8 @@ def write_hidden_states(data_dir: Path, verifier: Path, rows: list[TrainingRow],
     for i, row in enumerate(rows):
         t = len(row.input_ids)
         states = torch.randn(t, 4, TOY_HIDDEN, generator=g).to(torch.bfloat16)
-        save_hidden_states(dd.hs_file(i), states, torch.tensor(row.input_ids), storage_dtype)
+        save_hidden_states(dd.hs_file(i), states, torch.tensor(row.input_ids), storage_dtype,
+                           metadata=hs_file_metadata(hs_layer_ids(TOY_AUX, 8), 8))
         tokens += t
     save_hs_rows(dd.hidden_states, [(r.input_ids, r.loss_mask) for r in rows])
     save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(

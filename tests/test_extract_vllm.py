@@ -5,7 +5,9 @@ against the transformers backend, the exact reference:
 - MoE (toy DeepseekV3, and the release-shaped K2.5 toy with a server the stage starts itself): bf16 router
   near-ties flip experts and the difference spreads, so the gate is layer by layer: the stored state entering
   layer k, run through the reference's layers up to the next stored id, must give the next stored column;
-- a server configured with wrong layer ids is caught, by the comparison and by the stage's own top-1 check;
+- a server configured with other layer ids is caught by the ids our connector writes into each file (the other
+  convention, [1, 3, 4, 8], keeps the final state right, so the top-1 check alone passes it: shown here), and the
+  top-1 check runs on every server (a second server whose states are wrong is caught);
 - a server killed mid-run and restarted: the rerun loses nothing, duplicates nothing, keeps earlier files as
   they were; two servers give the same files as one; fp8 per request; speculators reads the output.
 
@@ -22,13 +24,22 @@ import sys
 import time
 from pathlib import Path
 
+import httpx2
 import pytest
 import torch
 
 from eagle3pipe import extract_vllm
 from eagle3pipe.cli import StageError
+from eagle3pipe.config import ExtractConfig
 from eagle3pipe.extract import run_extract
-from eagle3pipe.records import DataDir, load_hidden_states, load_hs_journal, load_hs_manifest
+from eagle3pipe.records import (
+    DataDir,
+    hs_file_metadata,
+    load_hidden_states,
+    load_hs_journal,
+    load_hs_manifest,
+    read_hidden_states_header,
+)
 from eagle3pipe.server import VllmServer, read_metrics
 from eagle3pipe.verifier import load_text_model
 
@@ -130,6 +141,9 @@ def test_dense_states_equal_the_transformers_backend(storage, dense_run):
     for i, row in enumerate(rows):
         data = load_hidden_states(DataDir(storage / "dense_vllm").hs_file(i))
         assert data["token_ids"].tolist() == row["input_ids"] and data["hidden_states"].dtype == torch.bfloat16
+        for backend in ("dense_vllm", "dense_ref"):  # both writers say what they captured, from how deep a model
+            meta = read_hidden_states_header(DataDir(storage / backend).hs_file(i))[3]
+            assert meta == hs_file_metadata(AUX + [NUM_LAYERS], NUM_LAYERS), (backend, meta)
 
 
 def test_fp8_per_request_from_the_same_server(storage, toy_llama, llama_server, dense_run):
@@ -255,27 +269,62 @@ def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_ki
 # A wrong layer-id configuration
 
 
-def test_wrong_layer_ids_are_caught(storage, toy_llama, tmp_path_factory, dense_run):
-    """A server capturing [2, 3, 5, 7] instead of [2, 4, 5, 8]: the stage's top-1 check stops it before the bulk
-    run (the final column is not the last layer's output), and the comparison shows both wrong columns."""
+def test_other_layer_ids_are_caught_by_the_files_metadata(storage, toy_llama, tmp_path_factory, dense_run):
+    """A server capturing [1, 3, 4, 8] (the other convention: the output of layer k - 1) instead of [2, 4, 5, 8]:
+    the final state is right, so the top-1 check alone passes it (shown below on the server's own file); the ids
+    our connector writes into the file stop the stage at the first file, naming the server and both id lists."""
+    from eagle3pipe.verifier import OutputHead
+
     rows, _ = dense_run
-    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_wrong"), ids=[2, 3, 5, 7])
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_wrong"), ids=[1, 3, 4, 8])
     try:
         write_rows(storage / "wrong", len(rows), seed=3, min_len=8, max_len=48)
-        with pytest.raises(StageError, match=r"capture check failed: .* at \d+\.\d% of \d+ positions") as e:
+        with pytest.raises(StageError, match=r"states of layer ids \[1, 3, 4, 8\] from a 8-layer verifier, but the "
+                                             r"config stores \[2, 4, 5, 8\]") as e:
             run_extract(vllm_cfg(storage / "wrong", toy_llama, [server.url]))
-        print(f"\nwrong ids: {e.value}")
+        assert str(e.value).startswith(f"{server.url}: ")
+        print(f"\nother layer ids: {e.value}")
         assert not any(load_hs_journal(j) for j in (storage / "wrong/hidden_states/work").glob("shard_*/done.jsonl"))
-        write_rows(storage / "wrong_unchecked", len(rows), seed=3, min_len=8, max_len=48)
-        run_extract(vllm_cfg(storage / "wrong_unchecked", toy_llama, [server.url], verify_tokens=0))
+        # the same server's file for row 0, asked for directly: what it holds and what the top-1 check would see
+        path = storage / "wrong_direct" / "hs_0.safetensors"
+        path.parent.mkdir()
+        ids = rows[0]["input_ids"]
+        reply = httpx2.post(server.url + "/v1/completions", timeout=120, json={
+            "model": server.served_model_name, "prompt": ids, "max_tokens": 1,
+            "prompt_logprobs": extract_vllm.VERIFY_TOP_K, "kv_transfer_params": {"hidden_states_path": str(path)}})
+        reply = reply.json()
+        asyncio.run(extract_vllm.wait_written(path, 60))
     finally:
         server.stop()
-    errs = torch.cat([token_errors(v, r) for v, r in zip(read_states(storage / "wrong_unchecked", len(rows)),
-                                                         read_states(storage / "dense_ref", len(rows)))])
-    median = errs.median(0).values
-    print(f"wrong ids vs reference: median per state {median.tolist()}")
-    assert median[0] <= DENSE_MEDIAN and median[2] <= DENSE_MEDIAN  # ids 2 and 5 are right
-    assert median[1] > 10 * DENSE_MEDIAN and median[3] > 10 * DENSE_MEDIAN  # 3 instead of 4, 7 instead of 8
+    assert read_hidden_states_header(path)[3] == hs_file_metadata([1, 3, 4, 8], NUM_LAYERS)
+    states = load_hidden_states(path)["hidden_states"].float()
+    median = token_errors(states, read_states(storage / "dense_ref", 1)[0]).median(0).values
+    print(f"other layer ids vs reference: median per state {median.tolist()}")
+    assert all(m > 10 * DENSE_MEDIAN for m in median[:3]) and median[3] <= DENSE_MEDIAN  # aux wrong, final right
+    ours = OutputHead(toy_llama).top1(states[:-1, -1]).tolist()
+    exact, near = extract_vllm.top1_agreement(ours, extract_vllm.server_top(reply["choices"][0]["prompt_logprobs"]))
+    assert near / len(ours) >= ExtractConfig().verify_min_agreement  # the top-1 check passes it
+
+
+def test_the_capture_check_covers_every_server(storage, toy_llama, llama_server):
+    """Two URLs, the second a server whose states are not the model's (a stub writing random states with the
+    right metadata, claiming the row's next tokens as its top-1): with a token budget the first sample fills, the
+    check still extracts one sample per server and stops on the second, naming it; nothing is journalled."""
+    from test_extract_vllm_faults import StubExtractionServer
+
+    write_rows(storage / "per_server", 6, seed=13, min_len=70, max_len=90)
+    stub = StubExtractionServer(model=llama_server.served_model_name, max_model_len=256)
+    try:
+        with pytest.raises(StageError, match="capture check failed") as e:
+            run_extract(vllm_cfg(storage / "per_server", toy_llama, [llama_server.url, stub.url], verify_tokens=64))
+    finally:
+        stub.close()
+    print(f"\nper-server check: {e.value}")
+    failing = str(e.value).split(" top-1 next token at ", 1)[1].split(", near-ties", 1)[0]
+    assert failing.startswith(f"{stub.url}: ") and llama_server.url not in failing  # only the stub fails
+    assert sum(stub.requests.values()) == 1  # its one check sample; the bulk run was never sent
+    dd = DataDir(storage / "per_server")
+    assert not any(load_hs_journal(j) for j in dd.hs_work.glob("shard_*/done.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,7 +358,9 @@ def test_server_killed_mid_run_then_restarted(storage, toy_llama, llama_server_b
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 2, stderr[-2000:]
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "samples failed" in last and "rerun the stage" in last
+    assert last.startswith("error: ") and "samples are not extracted after 2 attempts (" in last
+    assert "connection " in last
+    assert "hidden_states/ is not finished" in last and "rerun the same command to retry exactly these" in last
     before = {e.position: sha(dd.hs_shard_file(0, e.local_index)) for e in load_hs_journal(journal)}
     assert 8 <= len(before) < n
     llama_server_b.start()

@@ -1,11 +1,16 @@
 """Stage 02's vLLM client against a small server that misbehaves on purpose (what a real server cannot be made to do
-on demand): files that do not hold the row are redone, then listed as dropped; rows longer than the server's
-context are listed; a server set up with another storage dtype stops the stage at once. The real-server tests are
-in test_extract_vllm.py."""
+on demand), through the stage's door: files that do not hold the row are redone, then listed as dropped for good;
+transient failures (no file written, its lock still held) are redone, then left open and retried by a rerun, and
+stop the stage while more than --max-error-share remain; a journalled file that went missing is re-extracted alone;
+rows longer than the server's context are refused before anything is sent; a server set up with another storage
+dtype or other layer ids (the file's metadata), or a connector that writes no finite flag, stops the stage at once.
+The real-server tests are in test_extract_vllm.py."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
@@ -13,23 +18,43 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 import torch
 
-from eagle3pipe.cli import StageError
-from eagle3pipe.extract import run_extract
-from eagle3pipe.records import DataDir, load_hidden_states, load_hs_manifest, read_jsonl, save_hidden_states
+from eagle3pipe.cli import StageError, run_stage
+from eagle3pipe.extract import STAGE, run_extract
+from eagle3pipe.records import (
+    HS_META_FINITE,
+    DataDir,
+    hs_file_metadata,
+    load_hidden_states,
+    load_hs_journal,
+    load_hs_manifest,
+    read_jsonl,
+    save_hidden_states,
+)
 
-from test_extract import make_cfg, write_rows
+from test_extract import AUX, make_cfg, write_rows
 from test_generate import StubHTTPServer
 
 MAX_MODEL_LEN = 30
+NUM_LAYERS = 8
+RIGHT_IDS = AUX + [NUM_LAYERS]
 
 
 class StubExtractionServer:
     """/v1/models and /v1/completions like an extraction server: writes a random sample file where the request
-    asks. ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores;
-    ``die_after``: after that many completions it dies as a crashed node does (no reply, then the port refuses)."""
+    asks, with our connector's metadata (``layer_ids`` captured from a ``NUM_LAYERS``-layer verifier, or ``meta``).
+    ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores. Faults a rerun
+    must survive, switched per prompt through the sets: ``no_file`` (the writer failed: vLLM only logs it) and
+    ``hold_lock`` (a lock held past the client's wait: a slow disk). ``prompt_logprobs`` are answered claiming the
+    row's next token as top-1 (random states never agree with that: a wrong capture). ``die_after``: after that
+    many completions it dies as a crashed node does (no reply, then the port refuses)."""
 
-    def __init__(self, bad=lambda ids: False, dtype: str = "bf16", die_after: int | None = None):
+    def __init__(self, bad=lambda ids: False, dtype: str = "bf16", layer_ids: list[int] = RIGHT_IDS,
+                 meta: dict | None = None, model: str = "stub", max_model_len: int = MAX_MODEL_LEN,
+                 die_after: int | None = None):
         self.requests: Counter = Counter()
+        self.no_file: set[tuple] = set()
+        self.hold_lock: set[tuple] = set()
+        self.held: list[int] = []  # fds of the locks held
         self.die_after, self.posts, self.lock = die_after, 0, threading.Lock()
         stub = self
 
@@ -46,8 +71,8 @@ class StubExtractionServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._reply({"object": "list", "data": [{"id": "stub", "object": "model",
-                                                         "max_model_len": MAX_MODEL_LEN}]})
+                self._reply({"object": "list", "data": [{"id": model, "object": "model",
+                                                         "max_model_len": max_model_len}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -60,17 +85,34 @@ class StubExtractionServer:
                         return  # no reply: the client sees the connection drop
                 ids, path = body["prompt"], body["kv_transfer_params"]["hidden_states_path"]
                 stub.requests[tuple(ids)] += 1
-                stored = [i + 1 for i in ids] if bad(ids) else ids
-                save_hidden_states(path, torch.randn(len(ids), 4, 128), torch.tensor(stored), dtype)
-                self._reply({"id": "c", "object": "text_completion", "model": "stub", "kv_transfer_params":
-                             {"hidden_states_path": path}, "choices": [{"index": 0, "text": "x",
-                                                                         "finish_reason": "length"}]})
+                if tuple(ids) in stub.hold_lock:
+                    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    stub.held.append(fd)
+                elif tuple(ids) not in stub.no_file:
+                    stored = [i + 1 for i in ids] if bad(ids) else ids
+                    save_hidden_states(path, torch.randn(len(ids), 4, 128), torch.tensor(stored), dtype,
+                                       metadata=meta if meta is not None else hs_file_metadata(layer_ids, NUM_LAYERS))
+                choice = {"index": 0, "text": "x", "finish_reason": "length"}
+                if body.get("prompt_logprobs"):
+                    choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.1, "rank": 1}} for t in ids[1:]]
+                self._reply({"id": "c", "object": "text_completion", "model": model, "kv_transfer_params":
+                             {"hidden_states_path": path}, "choices": [choice]})
 
         self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
+    def heal(self) -> None:
+        """The disk is back: every prompt gets its file again, every lock is released."""
+        self.no_file.clear()
+        self.hold_lock.clear()
+        for fd in self.held:
+            os.close(fd)
+        self.held.clear()
+
     def close(self) -> None:
+        self.heal()
         with self.lock:
             if self.httpd is None:
                 return
@@ -86,10 +128,33 @@ def _cfg(data_dir, verifier, url, **extract):
     return cfg
 
 
-def test_bad_files_are_redone_then_listed_and_long_rows_listed(tmp_path, toy_llama):
-    rows = write_rows(tmp_path, 12, seed=1, min_len=4, max_len=34)
-    bad = {tuple(r["input_ids"]) for r in rows[::4]}
-    long = [r for r in rows if len(r["input_ids"]) >= MAX_MODEL_LEN]
+def _door(data_dir, verifier, url, capsys, *flags: str) -> tuple[int, str]:
+    """Stage 02 through cli.run_stage (what 02_extract_hidden_states.py calls): (exit status, stderr)."""
+    argv = ["--data-dir", str(data_dir), "--verifier", str(verifier), "--input", "prepared", "--aux-layer-ids",
+            *map(str, AUX), "--hidden-size", "128", "--backend", "vllm", "--extract-url", url, "--verify-tokens", "0",
+            "--max-retries", "2", "--retry-backoff-s", "0.01", "--concurrency", "3", "--request-timeout-s", "1",
+            *flags]
+    code = run_stage("extract", STAGE, run_extract, None, argv)
+    return code, capsys.readouterr().err
+
+
+def _ids(row) -> tuple:
+    return tuple(row["input_ids"])
+
+
+def _assert_complete(data_dir, rows) -> None:
+    """hidden_states/ finished with every row, in input order, nothing listed."""
+    dd = DataDir(data_dir)
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert manifest.num_samples == len(rows) and manifest.num_dropped == 0 and manifest.num_retryable == 0
+    assert list(read_jsonl(dd.hs_errors)) == []
+    for i, r in enumerate(rows):
+        assert load_hidden_states(dd.hs_file(i))["token_ids"].tolist() == r["input_ids"]
+
+
+def test_bad_files_are_redone_then_listed(tmp_path, toy_llama):
+    rows = write_rows(tmp_path, 12, seed=1, min_len=4, max_len=MAX_MODEL_LEN - 1)
+    bad = {_ids(r) for r in rows[::4]}
     stub = StubExtractionServer(bad=lambda ids: tuple(ids) in bad)
     try:
         manifest = run_extract(_cfg(tmp_path, toy_llama, stub.url))
@@ -97,19 +162,120 @@ def test_bad_files_are_redone_then_listed_and_long_rows_listed(tmp_path, toy_lla
         stub.close()
     errors = {e["id"]: e["reason"] for e in read_jsonl(DataDir(tmp_path).hs_errors)}
     for r in rows:
-        ids = tuple(r["input_ids"])
-        if r in long:
-            assert f"longer than the server's max_model_len {MAX_MODEL_LEN}" in errors[r["id"]]
-            assert stub.requests[ids] == 0  # never sent
-        elif ids in bad:
+        if _ids(r) in bad:  # the content is wrong: a permanent drop, listed
             assert errors[r["id"]].startswith("file check failed 3 times: ") and "token_ids differ" in errors[r["id"]]
-            assert stub.requests[ids] == 3  # first try and both retries
+            assert stub.requests[_ids(r)] == 3  # first try and both retries
         else:
-            assert r["id"] not in errors and stub.requests[ids] == 1
-    kept = [r for r in rows if r not in long and tuple(r["input_ids"]) not in bad]
-    assert manifest.num_samples == len(kept) and manifest.num_dropped == len(rows) - len(kept) > len(long) > 0
+            assert r["id"] not in errors and stub.requests[_ids(r)] == 1
+    kept = [r for r in rows if _ids(r) not in bad]
+    assert manifest.num_samples == len(kept) and manifest.num_dropped == len(bad) and manifest.num_retryable == 0
     for i, r in enumerate(kept):
         assert load_hidden_states(DataDir(tmp_path).hs_file(i))["token_ids"].tolist() == r["input_ids"]
+
+
+# -- issue 19 item 1: transient failures are never dropped for good --------------------------------------------------
+
+
+def test_transient_failures_stay_open_and_a_rerun_retries_exactly_them(tmp_path, toy_llama, capsys):
+    """The server wrote no file (its writer hit ENOSPC: vLLM only logs it) for two rows, and holds a third's lock past
+    the client's wait (a slow disk): 02 exits 2 without a manifest, journals none of them, lists none as dropped;
+    once the disk is back, the same command sends exactly those three again and finishes with every row."""
+    rows = write_rows(tmp_path, 10, seed=4, min_len=4, max_len=20)
+    flaky = {1, 3, 6}
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[1]), _ids(rows[6])}
+    stub.hold_lock = {_ids(rows[3])}
+    dd = DataDir(tmp_path)
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.startswith("error: 3 of 10 samples are not extracted after 3 attempts ("), err
+        assert "no_file 2" in last and "lock_held 1" in last and "allowed: 0 (--max-error-share 0)" in last
+        assert "retry exactly these 3 samples" in last
+        assert load_hs_manifest(dd.hs_manifest) is None and not dd.hs_errors.exists()
+        journal = load_hs_journal(dd.hs_shard_journal(0))
+        assert sorted(e.position for e in journal) == sorted(set(range(10)) - flaky)
+        assert all(e.local_index >= 0 for e in journal)  # nothing journalled as dropped
+        assert all(stub.requests[_ids(rows[i])] == 3 for i in flaky)
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+        assert code == 0, err
+    finally:
+        stub.close()
+    _assert_complete(tmp_path, rows)
+    assert [stub.requests[_ids(r)] for r in rows] == [4 if i in flaky else 1 for i in range(10)]
+
+
+def test_open_samples_within_the_error_share_are_listed_and_a_rerun_retries_them(tmp_path, toy_llama, capsys):
+    """--max-error-share 0.1 lets 02 finish with 1 of 10 rows left open: listed in errors.jsonl as retryable and
+    counted in the manifest; the rerun reopens hidden_states/, sends only that row and renumbers the files."""
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        assert code == 0, err
+        manifest = load_hs_manifest(dd.hs_manifest)
+        assert (manifest.num_samples, manifest.num_dropped, manifest.num_retryable) == (9, 1, 1)
+        (listed,) = read_jsonl(dd.hs_errors)
+        assert listed["id"] == rows[2]["id"] and listed["reason"].startswith("retryable: no_file: ")
+        kept = [r for i, r in enumerate(rows) if i != 2]
+        assert [load_hidden_states(dd.hs_file(i))["token_ids"].tolist() for i in range(9)] == \
+            [r["input_ids"] for r in kept]
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        assert code == 0, err
+    finally:
+        stub.close()
+    _assert_complete(tmp_path, rows)
+    assert [stub.requests[_ids(r)] for r in rows] == [4 if i == 2 else 1 for i in range(10)]
+
+
+def test_a_journalled_file_gone_missing_is_re_extracted_alone(tmp_path, toy_llama, capsys):
+    """A file journalled as written but gone before finalize (deleted, a lost disk): 02 removes its journal line and
+    says so (no --overwrite, which would redo every row); the next run extracts that row only."""
+    rows = write_rows(tmp_path, 8, seed=6, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.hold_lock = {_ids(rows[5])}  # the first run stops before finalize: exit 2
+    dd = DataDir(tmp_path)
+    try:
+        assert _door(tmp_path, toy_llama, stub.url, capsys)[0] == 2
+        (lost,) = [e for e in load_hs_journal(dd.hs_shard_journal(0)) if e.position == 2]
+        dd.hs_shard_file(0, lost.local_index).unlink()
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.startswith("error: 1 samples journalled as written have no file (first: row row2, "
+                                             "line 3: "), err
+        assert "rerun the stage to re-extract exactly them" in last and "--overwrite" not in last
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+        assert code == 0, err
+    finally:
+        stub.close()
+    _assert_complete(tmp_path, rows)
+    assert [stub.requests[_ids(r)] for r in rows] == [2 if i == 2 else 4 if i == 5 else 1 for i in range(8)]
+
+
+def test_rows_longer_than_the_servers_context_are_refused_before_anything_is_sent(tmp_path, toy_llama, capsys):
+    """vLLM needs room for the prompt and the 1 generated token: rows of max_model_len tokens or more (here 30 and
+    33 tokens; the 29-token row fits) are refused, counted, with the flag that fixes it."""
+    rows = write_rows(tmp_path, 12, seed=6, min_len=4, max_len=34)
+    assert sorted(len(r["input_ids"]) for r in rows)[-3:] == [29, 30, 33]
+    stub = StubExtractionServer()
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+    finally:
+        stub.close()
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: 2 of 12 rows have {MAX_MODEL_LEN} tokens or more (the longest: "
+                                         "row row3, line 4, 33 tokens)"), err
+    assert "--max-model-len 34 or more" in last and "Nothing was sent" in last
+    assert sum(stub.requests.values()) == 0
+    assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None
+
+
+# -- a server set up otherwise than the config: the stage stops at once ---------------------------------------------
 
 
 def test_a_server_storing_another_dtype_stops_the_stage_at_once(tmp_path, toy_llama):
@@ -147,3 +313,29 @@ def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_serv
     assert dying.posts > 4 and sum(healthy.requests.values()) >= len(rows) - 4
     aside = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
     assert any(closed in m for m in aside) and any(dying.url in m for m in aside)
+
+
+@pytest.mark.parametrize("case", ["other_layer_ids", "no_finite_flag"])
+def test_a_server_capturing_other_layers_or_without_the_finite_flag_stops_the_stage(tmp_path, toy_llama, capsys,
+                                                                                    case):
+    """The file's metadata names the layers the server captured: [1, 3, 4, 8] (the other convention: the output of
+    layer k - 1, same final state, so the top-1 check passes it) is refused at once, naming the server and both id
+    lists; so is a file without the finite flag (vLLM's own connector writes none: NaN would pass unseen)."""
+    write_rows(tmp_path, 6, seed=2, min_len=4, max_len=20)
+    if case == "other_layer_ids":
+        stub = StubExtractionServer(layer_ids=[1, 3, 4, 8])
+    else:
+        stub = StubExtractionServer(meta={k: v for k, v in hs_file_metadata(RIGHT_IDS, NUM_LAYERS).items()
+                                          if k != HS_META_FINITE})
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys)
+    finally:
+        stub.close()
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {stub.url}: "), err
+    if case == "other_layer_ids":
+        assert "states of layer ids [1, 3, 4, 8] from a 8-layer verifier" in last and f"stores {RIGHT_IDS}" in last
+    else:
+        assert "its metadata lacks ['all_finite']" in last
+    assert sum(stub.requests.values()) <= 3  # the requests already in flight, no retries, nothing more
+    assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None

@@ -68,3 +68,32 @@ def test_raw_safetensors_writer_writes_safetensors_own_bytes(tmp_path, dtypes):
         back = load_file(str(path))
         assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_sample_file_metadata_round_trip_and_check(tmp_path):
+    """save_hidden_states -> read_hidden_states_metadata -> check_hs_file_metadata: the layer ids and depth a file
+    names are compared with the config's (aux ids + the final state = num_layers), every key required."""
+    from eagle3pipe.records import (
+        check_hs_file_metadata,
+        hs_file_metadata,
+        hs_layer_ids,
+        read_hidden_states_metadata,
+        save_hidden_states,
+    )
+
+    path = tmp_path / "hs_0.safetensors"
+    assert hs_layer_ids([58, 2, 30], 61) == [2, 30, 58, 61]
+    save_hidden_states(path, torch.randn(5, 4, 8), torch.arange(5), "bf16", metadata=hs_file_metadata([2, 4, 5, 8], 8))
+    meta = read_hidden_states_metadata(path)
+    assert meta == {"layer_ids": "[2, 4, 5, 8]", "num_layers": "8", "all_finite": "1"}
+    assert check_hs_file_metadata(path, meta, [2, 4, 5], 8) is True
+    assert check_hs_file_metadata(path, hs_file_metadata([2, 4, 5, 8], 8, finite=False), [2, 4, 5], 8) is False
+    with pytest.raises(FormatError, match=r"layer ids \[2, 4, 5, 8\] from a 8-layer verifier, but the config "
+                                          r"stores \[1, 3, 4, 8\]"):
+        check_hs_file_metadata(path, meta, [1, 3, 4], 8)
+    with pytest.raises(FormatError, match=r"from a 8-layer verifier, but the config stores \[2, 4, 5, 9\] of a "
+                                          "9-layer one"):
+        check_hs_file_metadata(path, meta, [2, 4, 5], 9)
+    for key in meta:
+        with pytest.raises(FormatError, match=rf"its metadata lacks \['{key}'\]"):
+            check_hs_file_metadata(path, {k: v for k, v in meta.items() if k != key}, [2, 4, 5], 8)

@@ -261,6 +261,30 @@ def test_hidden_states_from_another_verifier_or_config_are_refused(tmp_path, toy
     assert _train_door(_door_argv(data, copy, "--max-steps", "1"), capsys)[0] == 0
 
 
+# -- issue 19 item 2: every file read is checked against the layers the manifest says -----------------------------
+
+
+@pytest.mark.parametrize("case", ["other_layer_ids", "no_metadata"])
+def test_a_file_of_other_layers_is_refused_as_it_is_read(tmp_path, toy_llama, capsys, case):
+    """One file among the manifest's holds states of layer ids [1, 3, 4, 8] (a server of the other convention), or
+    no metadata at all: 04 stops on it, naming the file and both id lists, instead of training on it."""
+    from eagle3pipe.records import hs_file_metadata, save_hidden_states
+
+    rows = make_rows(12, seed=24)
+    _prepare(tmp_path, toy_llama, rows)
+    bad = DataDir(tmp_path).hs_file(3)
+    data = load_file(str(bad))
+    meta = hs_file_metadata([1, 3, 4, 8], 8) if case == "other_layer_ids" else None
+    save_hidden_states(bad, data["hidden_states"], data["token_ids"], "bf16", metadata=meta)
+    code, err = _train_door(_door_argv(tmp_path, toy_llama), capsys)
+    assert code == 2 and f"{bad}: " in err, err
+    if case == "other_layer_ids":
+        assert "states of layer ids [1, 3, 4, 8] from a 8-layer verifier" in err and "stores [2, 4, 5, 8]" in err
+    else:
+        assert "its metadata lacks ['layer_ids', 'num_layers', 'all_finite']" in err
+    assert not DataDir(tmp_path).final_checkpoint.exists()
+
+
 def test_first_update_runs_at_a_nonzero_rate_and_metrics_log_the_rate_used(tmp_path, toy_llama):
     import math
 
