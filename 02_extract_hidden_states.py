@@ -7,7 +7,7 @@ Usage:
 Inputs:  <data_dir>/synthetic/data.jsonl (or prepared/data.jsonl with --input prepared); the verifier folder.
 Outputs: <data_dir>/hidden_states/ = the `speculators train --data-path` folder: an HF dataset (input_ids,
          loss_mask, seq_len), hidden_states/hs_{i}.safetensors ([T, 4, H]: states entering the aux layers, then the
-         final pre-norm state; token_ids [T]), manifest.json, errors.jsonl (samples with NaN/Inf states),
+         final pre-norm state; token_ids [T]), manifest.json, errors.jsonl (samples not written, each with its reason),
          provenance.json. A rerun resumes; a finished output is skipped; other inputs need --overwrite.
 """
 
