@@ -1041,7 +1041,8 @@ def load_vocab_summary(path: Path) -> VocabSummary:
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
 #       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
-#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}) and per epoch eval
+#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}), per epoch eval ("eval") and per
+#                          epoch the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
 #     run.json             {"settings": {...}}: draft architecture and data of the run, checked by --resume
 #     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
 #     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
