@@ -1060,7 +1060,7 @@ class TrainingState:
 
     step: int  # optimizer steps done in total
     epoch: int  # epoch in progress (== epochs once training finished)
-    batches_done: int  # batches of ``epoch`` already trained on
+    batches_done: int  # optimizer steps of ``epoch`` done (each world size x train.grad_accum packed rows)
     seed: int
     format_version: int = FORMAT_VERSION
 

@@ -630,9 +630,15 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     if ranks.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
-        # buffers (the vocabulary maps) never change: no broadcast before every forward
+        # buffers (the vocabulary maps) never change: no broadcast before every forward (torch 2.13 renamed the
+        # flag forward_sync_buffers; the H200 image's 2.11 knows only broadcast_buffers)
+        import inspect
+
+        no_sync = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+                                      gradient_as_bucket_view=True, **no_sync)
 
     loss_config = resolve_loss_config(LOSS_NAME, "eager")
     call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
