@@ -254,6 +254,8 @@ def main() -> None:
     lengths = (40, 90) if args.tiny else (1200, 3000)
     aux = [2, 4, 5] if args.tiny else [2, 30, 58]
     work = Path(args.work)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     results: dict = {"dims": dims, "tokens_per_row": tokens, "device": torch.cuda.get_device_name(0)
