@@ -175,7 +175,7 @@ def samples_needed(tokens: int, steps: int, lengths: tuple[int, int], fill: floa
 
 
 def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
-        skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0) -> dict:
+        skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16") -> dict:
     """``04_train.py`` through its door on ``data_dir``: one plain process (``nproc`` 0) or torchrun with ``nproc``
     processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``."""
     cfg = load_config(None, {
@@ -186,6 +186,7 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
                   "log_every": log_every, "checkpoint_every": 100000, "device": device, "draft_num_heads": dims["heads"],
                   "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True,
                   "cpu_threads": 1 if device == "cpu" else 0},
+        "extract": {"storage_dtype": storage, "model_dtype": "bfloat16"},  # as write_data's manifest says
     })
     cfg.validate("train")  # the checks 04 makes (shared.max_seq_len <= train.total_seq_len among them)
     config = data_dir.parent / f"{data_dir.name}_nproc{nproc}.yaml"
@@ -303,7 +304,7 @@ def main() -> None:
                     key = f"e2e_{storage}" + (f"_nproc{nproc}" if nproc else "") + (f"_r{rep}" if rep else "")
                     results[key] = e2e(data, verifier, dims, aux, tokens, workers, device,
                                        skip_steps=args.skip_steps, drop_cache=args.drop_cache,
-                                       log_every=args.log_every, nproc=nproc)
+                                       log_every=args.log_every, nproc=nproc, storage=storage)
                     results[key]["data_tokens"] = n_tok
                     results[key]["data_samples"] = samples
                     log.info("%s: %s", key, results[key])
