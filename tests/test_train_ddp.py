@@ -190,3 +190,11 @@ def test_resume_under_another_number_of_rows_per_step_is_refused_naming_both(run
     assert run_stage("train", "04_train", run_train, None, argv + ["--grad-accum", "2"]) == 0
     assert [r["step"] for r in _metrics(runs["a"], "train")] == list(range(1, STEPS + 1))
     assert json.loads(DataDir(runs["a"]).train_run.read_text())["layout"] == "2 x 1"
+
+
+def test_grad_accum_and_the_new_train_keys_are_checked_at_start():
+    from eagle3pipe.config import ConfigError, load_config
+
+    for key, value in (("grad_accum", 0), ("keep_checkpoints", -1), ("nproc_per_node", -1), ("min_free_gb", -1.0)):
+        with pytest.raises(ConfigError, match=r"train.grad_accum must be >= 1"):
+            load_config(None, {"train": {key: value}, "shared": {"max_seq_len": 1024}}).validate("train")
