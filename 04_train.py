@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Stage 04: train the EAGLE-3 draft with speculators (one GPU, or the CPU for the toy) and export it for vLLM.
+"""Stage 04: train the EAGLE-3 draft with speculators (one GPU, several under torchrun, or the CPU for the toy) and
+export it for vLLM.
 
 Usage:
     python 04_train.py --config configs/kimi_k25.yaml
+    torchrun --standalone --nproc-per-node 8 04_train.py --config configs/kimi_k25.yaml   # DDP, one GPU a rank
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id draft \
+        04_train.py --config configs/kimi_k25.yaml                                         # on every node
     python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
@@ -12,7 +16,7 @@ Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8), <data_dir>/vocab/ (st
         LlamaForCausalLMEagle3 draft (AQ-MedAI / SpecForge layout).
 Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at the end), metrics.jsonl, curves.png,
         final/ (flat LlamaForCausalLMEagle3 for vLLM/SGLang, or speculators format), provenance.json},
-        logs/04_train.log.
+        logs/04_train.log (rank N under torchrun: logs/04_train.rankN.log; rank 0 alone writes everything else).
 All logic lives in eagle3pipe/train.py (model and checkpoint formats in eagle3pipe/draft.py).
 """
 

@@ -15,9 +15,11 @@
 # and waits for it (a second signal kills it). Without a vLLM URL, 01b is skipped and 02-04 read synthetic/ when an
 # earlier 01b finished it, else prepared/ (with thinking on, only with --allow-human-answers). Stage names:
 # 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
+# Stage 04 runs under torchrun on train.nproc_per_node processes of this node when that is more than 1 (0, the
+# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py.
 set -uo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # Everything runs inside main(): bash reads a function whole before calling it, so editing or updating this
 # file (git pull) while a long nohup run is in progress cannot change the running script under its feet.
@@ -93,7 +95,7 @@ main() {
   started=0 ; [ -z "$FROM" ] && started=1
   ran_upstream=0
   idx=-1
-  while IFS=$'\t' read -r name script hash marker log stage_config extra; do
+  while IFS=$'\t' read -r name script hash marker log stage_config launcher extra; do
     idx=$((idx + 1))
     matches "$name" "$FROM" && started=1
     if [ -n "$ONLY" ] && ! matches "$name" "$ONLY"; then continue; fi
@@ -108,8 +110,12 @@ main() {
       # This stage's output changes: later stages are no longer done, even in a later run.
       rm -f "$marker" "${ALL_MARKERS[@]:$((idx + 1))}"
       log_start=$(stat -c %s "$log" 2>/dev/null || echo 0)
+      # launcher: "-" (the interpreter) or a module and its flags, e.g. torchrun for 04 (train.nproc_per_node)
+      LAUNCH=("$PYTHON")
+      # shellcheck disable=SC2206  # launcher holds whitespace-separated words by design
+      [ "$launcher" != "-" ] && LAUNCH+=(-m $launcher) && say "$name: on $launcher"
       # shellcheck disable=SC2086  # extra holds whitespace-separated flags by design
-      "$PYTHON" "$script" --config "$stage_config" $extra < /dev/null > >(tee -ia "$RUN_LOG") 2>&1 &
+      "${LAUNCH[@]}" "$script" --config "$stage_config" $extra < /dev/null > >(tee -ia "$RUN_LOG") 2>&1 &
       STAGE_PID=$!
       while :; do
         wait "$STAGE_PID"; rc=$?

@@ -1,15 +1,21 @@
-"""Benchmark stage 04 at Kimi-K2.5 draft dims: speculators' bare training step vs 04_train end to end from disk.
+"""Benchmark stage 04 at Kimi-K2.5 draft dims: speculators' bare training step vs 04_train end to end from disk,
+one plain process or torchrun (DDP).
 
 1. bare: ``Eagle3DraftModel`` (hidden 7168, MLP 18432, 64 heads x 128, draft vocab 32000, verifier vocab 163840,
-   SpecForge norm flags), one packed row of ``--tokens`` tokens already on the GPU, TTT 3, eager KL loss, fwd + bwd
-   + clip + AdamW; flex attention under torch.compile (what run_train uses on CUDA).
-2. e2e: ``run_train`` reading stage-02-format files (records.save_hidden_states: [T, 4, H] bf16, or fp8 + scales)
-   through speculators' ArrowDataset / CollateFn in DataLoader workers, bf16 then fp8. Throughput is taken from
-   checkpoints/metrics.jsonl between two logged steps after warm-up (tokens / elapsed), so compile and worker
-   start-up are excluded. With --drop-cache (device only) the page cache is dropped before each e2e run.
+   SpecForge norm flags), one packed row of ``--tokens`` tokens (K2.5's train.total_seq_len, 32768, by default)
+   already on the GPU, TTT 3, eager KL loss, fwd + bwd + clip + AdamW; flex attention under torch.compile (what
+   run_train uses on CUDA).
+2. e2e: ``04_train.py`` through its door reading stage-02-format files (records.save_hidden_states: [T, 4, H] bf16,
+   or fp8 + scales) through speculators' ArrowDataset / CollateFn in DataLoader workers, per ``--storage``, once per
+   ``--nproc`` launcher (0 = plain python, N = torchrun with N processes: DDP) on the same files. Enough samples are
+   written for ``--skip-steps`` + ``--measure-steps`` at every launcher (``--samples 0``). Throughput is taken from
+   checkpoints/metrics.jsonl between two logged steps after warm-up (tokens summed over ranks / elapsed), so
+   compile and worker start-up are excluded. With --drop-cache (device only) the page cache is dropped before each
+   e2e run.
 
 Usage (device): python bench/bench_train.py --work /tmp/bench --out $OUT
-       (CPU smoke): python bench/bench_train.py --tiny --work /tmp/bench_tiny
+                python bench/bench_train.py --work /tmp/bench --out $OUT --skip bare --storage fp8 --nproc 0 1
+       (CPU smoke, and 1 vs 2 gloo processes on the toy): python bench/bench_train.py --tiny --nproc 0 2
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from eagle3pipe import draft  # noqa: E402
 from eagle3pipe.config import load_config  # noqa: E402
@@ -44,6 +53,7 @@ from eagle3pipe.records import (  # noqa: E402
 )
 
 log = logging.getLogger("bench_train")
+REPO = Path(__file__).resolve().parents[1]
 
 K25 = dict(hidden=7168, inter=18432, heads=64, head_dim=128, draft_vocab=32000, vocab=163840, layers=61)
 TINY = dict(hidden=128, inter=256, heads=4, head_dim=64, draft_vocab=256, vocab=1088, layers=8)
@@ -162,34 +172,56 @@ def drop_page_cache() -> bool:
         return False
 
 
-def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
-        skip_steps: int, drop_cache: bool, log_every: int) -> dict:
-    from eagle3pipe.train import run_train
+def samples_needed(tokens: int, steps: int, lengths: tuple[int, int], fill: float = 0.95) -> int:
+    """Samples of ``lengths`` that pack into at least ``steps`` rows of ``tokens`` (rows fill 80-95 %: 95 % errs on more)."""
+    return math.ceil(steps * tokens * fill / ((lengths[0] + lengths[1]) / 2)) + 1
 
+
+def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
+        skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16") -> dict:
+    """``04_train.py`` through its door on ``data_dir``: one plain process (``nproc`` 0) or torchrun with ``nproc``
+    processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``."""
     cfg = load_config(None, {
         "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": aux,
                    "hidden_size": dims["hidden"], "vocab_size": dims["vocab"], "draft_vocab_size": dims["draft_vocab"],
-                   "progress_every_s": 10.0},
+                   "max_seq_len": tokens, "progress_every_s": 10.0},
         "train": {"epochs": 1, "total_seq_len": tokens, "eval_fraction": 0.0, "num_workers": workers,
                   "log_every": log_every, "checkpoint_every": 100000, "device": device, "draft_num_heads": dims["heads"],
-                  "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True},
+                  "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True,
+                  "cpu_threads": 1 if device == "cpu" else 0},
+        "extract": {"storage_dtype": storage, "model_dtype": "bfloat16"},  # as write_data's manifest says
     })
-    cfg.validate("train")
+    cfg.validate("train")  # the checks 04 makes (shared.max_seq_len <= train.total_seq_len among them)
+    config = data_dir.parent / f"{data_dir.name}_nproc{nproc}.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc-per-node", str(nproc)]
     dropped = drop_page_cache() if drop_cache else False
+    out = data_dir.parent / f"{data_dir.name}_nproc{nproc}.log"
     t0 = time.perf_counter()
-    run_train(cfg)
+    with open(out, "wb") as f:
+        code = subprocess.call(launcher + [str(REPO / "04_train.py"), "--config", str(config)], stdout=f,
+                               stderr=subprocess.STDOUT, cwd=REPO)
     wall = time.perf_counter() - t0
+    if code != 0:
+        raise RuntimeError(f"04_train.py (nproc {nproc}) exited {code}; its output: {out}\n"
+                           + out.read_text(errors="replace")[-3000:])
     rows = [r for r in read_jsonl(DataDir(data_dir).train_metrics) if r["kind"] == "train"]
-    a = next(r for r in rows if r["step"] >= skip_steps)  # after compile and worker start-up
-    b = rows[-1]
+    measured = [r for r in rows if r["step"] >= skip_steps]  # after compile and worker start-up
+    if len(measured) < 2:
+        raise SystemExit(f"error: {data_dir}: {rows[-1]['step'] if rows else 0} steps logged, too few to measure after "
+                         f"--skip-steps {skip_steps}: raise --samples or --measure-steps")
+    a, b = measured[0], measured[-1]
     steps = b["step"] - a["step"]
     elapsed = b["elapsed_s"] - a["elapsed_s"]
     rate = (b["tokens"] - a["tokens"]) / elapsed
     step_ms = 1000 * elapsed / steps
-    return {"tokens_per_s": rate, "step_ms": step_ms, "steps": b["step"], "measured_steps": steps,
+    world = max(nproc, 1)
+    return {"nproc": nproc, "launcher": "plain" if nproc == 0 else f"torchrun x{nproc}",
+            "tokens_per_s": rate, "step_ms": step_ms, "steps": b["step"], "measured_steps": steps,
             "measured_from_step": a["step"], "wall_s": wall, "page_cache_dropped": dropped,
             # packing fill: real tokens per packed row / row slots (a property of the data's lengths, not the loader)
-            "packing_fill": (b["tokens"] - a["tokens"]) / (steps * tokens),
+            "packing_fill": (b["tokens"] - a["tokens"]) / (steps * tokens * world),
             "loader_wait_ms_per_step": 1000 * (b["loader_wait_s"] - a["loader_wait_s"]) / steps,
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
@@ -199,16 +231,23 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="toy dims on CPU (smoke test of this script)")
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default="")
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=32768, help="packed-row length (train.total_seq_len; K2.5: 32768)")
     p.add_argument("--bare-tokens", type=int, nargs="+", default=[],
                    help="also run the bare step at each of these packed-row lengths (peak memory vs total_seq_len)")
     p.add_argument("--bare-lm-head", action="store_true",
                    help="in the --bare-tokens sweep, also run each length with the draft lm_head trained")
-    p.add_argument("--samples", type=int, default=100, help="samples per e2e dataset")
-    p.add_argument("--log-every", type=int, default=4, help="e2e metric lines every N steps (each line syncs)")
-    p.add_argument("--skip-steps", type=int, default=8, help="e2e steps left out of the rate (compile, start-up)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="samples per e2e dataset (0: enough for --skip-steps + --measure-steps at every --nproc)")
+    p.add_argument("--measure-steps", type=int, default=8, help="e2e steps measured after --skip-steps")
+    p.add_argument("--log-every", type=int, default=2, help="e2e metric lines every N steps (each line syncs)")
+    p.add_argument("--skip-steps", type=int, default=4, help="e2e steps left out of the rate (compile, start-up)")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--bare-steps", type=int, default=20)
+    p.add_argument("--bare-steps", type=int, default=10)
+    p.add_argument("--storage", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    p.add_argument("--nproc", type=int, nargs="+", default=[0],
+                   help="e2e launchers, each on the same data: 0 = plain `python 04_train.py`, N = torchrun with N "
+                        "processes (DDP; N GPUs, or gloo on CPU)")
+    p.add_argument("--repeat", type=int, default=1, help="run the --nproc launchers this many times, interleaved")
     p.add_argument("--skip", choices=["none", "bare", "e2e"], default="none")
     p.add_argument("--drop-cache", action="store_true", help="drop the page cache before each e2e run (device only)")
     args = p.parse_args()
@@ -219,10 +258,17 @@ def main() -> None:
     lengths = (40, 90) if args.tiny else (1200, 3000)
     aux = [2, 4, 5] if args.tiny else [2, 30, 58]
     work = Path(args.work)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     results: dict = {"dims": dims, "tokens_per_row": tokens, "device": torch.cuda.get_device_name(0)
-                     if device == "cuda" else "cpu", "torch": torch.__version__}
+                     if device == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:]}
+
+    def dump() -> None:
+        if args.out:
+            Path(args.out, "bench_train.json").write_text(json.dumps(results, indent=2) + "\n")
+
     t0 = time.perf_counter()
     verifier = write_verifier(work / "verifier", dims)
     log.info("verifier shell written in %.1fs", time.perf_counter() - t0)
@@ -230,6 +276,7 @@ def main() -> None:
         results["bare"] = bare_step(verifier, dims, aux, tokens, 3 if args.tiny else args.bare_steps,
                                     2 if args.tiny else 4, torch.device(device))
         log.info("bare: %s", results["bare"])
+        dump()
     sweep = [(n, False) for n in args.bare_tokens] + [(n, True) for n in args.bare_tokens if args.bare_lm_head]
     for n, lm_head in sweep:  # train.total_seq_len sweep: one row of n tokens per step, OOM recorded, not fatal
         try:
@@ -242,38 +289,45 @@ def main() -> None:
         key = f"{n}+lm_head" if lm_head else str(n)
         results.setdefault("bare_sweep", {})[key] = row
         log.info("bare %s tokens: %s", key, row)
-        if args.out:
-            Path(args.out, "bench_train.json").write_text(json.dumps(results, indent=2) + "\n")
+        dump()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the e2e runs are other processes: leave them the GPU
     if args.skip != "e2e":
-        for storage in ("bf16", "fp8"):
+        steps = args.skip_steps + args.measure_steps + 1
+        samples = args.samples or samples_needed(tokens, steps * max(max(args.nproc), 1), lengths)
+        for storage in args.storage:
             data = work / f"data_{storage}"
             t0 = time.perf_counter()
-            n_tok = write_data(data, verifier, dims, 12 if args.tiny else args.samples, lengths, storage, aux, device)
-            log.info("%s data: %d tokens written in %.1fs", storage, n_tok, time.perf_counter() - t0)
+            n_tok = write_data(data, verifier, dims, samples, lengths, storage, aux, device)
+            log.info("%s data: %d samples, %d tokens written in %.1fs", storage, samples, n_tok,
+                     time.perf_counter() - t0)
             workers = min(args.workers, 2) if args.tiny else args.workers
-            try:
-                results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, workers, device,
-                                                skip_steps=1 if args.tiny else args.skip_steps,
-                                                drop_cache=args.drop_cache, log_every=1 if args.tiny else args.log_every)
-            except Exception:  # keep a number for the report: the same run with the loader in-process
-                log.exception("e2e %s with %d workers failed; again with 0", storage, workers)
-                results[f"e2e_{storage}"] = e2e(data, verifier, dims, aux, tokens, 0, device,
-                                                skip_steps=1 if args.tiny else args.skip_steps,
-                                                drop_cache=args.drop_cache, log_every=1 if args.tiny else args.log_every)
-                results[f"e2e_{storage}"]["fallback_workers_0"] = True
-            results[f"e2e_{storage}"]["data_tokens"] = n_tok
-            log.info("e2e %s: %s", storage, results[f"e2e_{storage}"])
+            for rep in range(args.repeat):
+                for nproc in args.nproc:
+                    key = f"e2e_{storage}" + (f"_nproc{nproc}" if nproc else "") + (f"_r{rep}" if rep else "")
+                    results[key] = e2e(data, verifier, dims, aux, tokens, workers, device,
+                                       skip_steps=args.skip_steps, drop_cache=args.drop_cache,
+                                       log_every=args.log_every, nproc=nproc, storage=storage)
+                    results[key]["data_tokens"] = n_tok
+                    results[key]["data_samples"] = samples
+                    log.info("%s: %s", key, results[key])
+                    dump()
+            if 0 in args.nproc:  # DDP's cost: torchrun's tokens/s over the plain process's, same data, runs averaged
+                def mean_rate(nproc: int) -> float:
+                    runs = [e for k, e in results.items() if k.startswith(f"e2e_{storage}") and e["nproc"] == nproc]
+                    return sum(e["tokens_per_s"] for e in runs) / len(runs)
+
+                for nproc in sorted(set(args.nproc) - {0}):
+                    results[f"ratio_{storage}_nproc{nproc}_to_plain"] = mean_rate(nproc) / mean_rate(0)
             shutil.rmtree(data, ignore_errors=True)
     if "bare" in results:
-        for storage in ("bf16", "fp8"):
-            if f"e2e_{storage}" in results:
-                e = results[f"e2e_{storage}"]
+        for key, e in results.items():
+            if key.startswith("e2e_") and e.get("nproc") == 0:
                 e["tokens_per_s_ratio_to_bare"] = e["tokens_per_s"] / results["bare"]["tokens_per_s"]
                 e["step_time_ratio_bare_over_e2e"] = results["bare"]["step_ms"] / e["step_ms"]  # loader speed
     text = json.dumps(results, indent=2)
     print(text)
-    if args.out:
-        Path(args.out, "bench_train.json").write_text(text + "\n")
+    dump()
 
 
 if __name__ == "__main__":

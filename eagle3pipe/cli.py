@@ -57,10 +57,18 @@ def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object],
         print(f"error: {e}", file=sys.stderr)
         return 2
     dd = DataDir(cfg.data_dir)
-    setup_logging(dd.log_file(log_name))
+    rank = torchrun_rank()
+    # under torchrun (stage 04) rank 0 logs, prints and holds the lock for the whole job; every other rank logs to
+    # its own file and prints warnings and errors only, so the terminal shows one run
+    setup_logging(dd.log_file(log_name if rank == 0 else f"{log_name}.rank{rank}"))
+    if rank:
+        for h in logging.getLogger().handlers:
+            if getattr(h, "_eagle3pipe", False) and type(h) is logging.StreamHandler:
+                h.setLevel(logging.WARNING)
     lock = StageLock(dd.stage_lock(log_name), log_name)
     try:
-        lock.acquire()
+        if rank == 0:
+            lock.acquire()
     except StageLockedError as e:
         log.error("%s refused: %s", log_name, e)
         print(f"error: {e}", file=sys.stderr)
@@ -73,7 +81,7 @@ def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object],
         fn(cfg)
     except (ConfigError, StageError, ChatError, TokenIdMismatch, FormatError, FileNotFoundError) as e:
         log.error("%s failed: %s", log_name, e)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: rank {rank}: {e}" if rank else f"error: {e}", file=sys.stderr)
         return 2
     except StageInterrupted as e:
         log.warning("%s stopped by SIGTERM; what it finished is kept: rerun the same command to resume", log_name)
@@ -84,5 +92,13 @@ def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object],
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous_handler)
-        lock.release()
+        if rank == 0:
+            lock.release()
     return 0
+
+
+def torchrun_rank() -> int:
+    """This process's rank when torchrun started it (RANK with WORLD_SIZE set), else 0."""
+    import os
+
+    return int(os.environ.get("RANK", "0")) if "WORLD_SIZE" in os.environ else 0

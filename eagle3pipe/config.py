@@ -143,6 +143,13 @@ class TrainConfig:
     draft_head_dim: int = 128  # new draft only: head dim (AQ-MedAI's K2 draft: 128; a warm start uses its checkpoint's)
     draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
     overwrite: bool = False  # start over: delete existing checkpoints/ instead of refusing (see also resume)
+    grad_accum: int = 1  # packed rows summed per rank before each optimizer step: one step = world size x grad_accum
+    # rows, so one GPU with grad_accum 8 reproduces an 8-GPU run's global batch (README 04_train.py)
+    nproc_per_node: int = 0  # processes run_all.sh starts for 04 (torchrun when > 1); 0 = every visible GPU (CPU: 1).
+    # 04_train.py itself trains on as many processes as torchrun gives it
+    keep_checkpoints: int = 3  # step_N checkpoints kept (the newest ones; final/ is never pruned); 0 = keep all.
+    # One K2.5 checkpoint is ~12.5 GB (fp32 weights and AdamW moments)
+    min_free_gb: float = 1.0  # free space (GB) a checkpoint must leave on its disk; the save is refused before writing
 
 
 @dataclass
@@ -247,6 +254,9 @@ class PipelineConfig:
                 raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
             if t.resume and t.overwrite:
                 raise ConfigError("train.resume and train.overwrite exclude each other: pick one")
+            if t.grad_accum < 1 or t.nproc_per_node < 0 or t.keep_checkpoints < 0 or t.min_free_gb < 0:
+                raise ConfigError("train.grad_accum must be >= 1; train.nproc_per_node, keep_checkpoints and "
+                                  "min_free_gb >= 0")
         if stage == "evaluate":
             ev = self.evaluate
             if not ev.prompts:

@@ -1100,7 +1100,8 @@ def load_vocab_summary(path: Path) -> VocabSummary:
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
 #       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
-#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}) and per epoch eval
+#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}), per epoch eval ("eval") and per
+#                          epoch the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
 #     run.json             {"settings": {...}}: draft architecture and data of the run, checked by --resume
 #     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
 #     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
@@ -1118,7 +1119,7 @@ class TrainingState:
 
     step: int  # optimizer steps done in total
     epoch: int  # epoch in progress (== epochs once training finished)
-    batches_done: int  # batches of ``epoch`` already trained on
+    batches_done: int  # optimizer steps of ``epoch`` done (each world size x train.grad_accum packed rows)
     seed: int
     format_version: int = FORMAT_VERSION
 

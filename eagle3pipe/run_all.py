@@ -4,7 +4,9 @@
 
     python -m eagle3pipe.run_all plan --config FILE [--vllm-url URL]
 
-and gets one tab-separated line per stage: ``name  script  hash  marker  log  config  extra-flags``. A stage's hash covers
+and gets one tab-separated line per stage: ``name  script  hash  marker  log  config  launcher  extra-flags``
+(``launcher``: ``-`` for the plain interpreter, else the module and flags run with ``python -m``: torchrun for 04
+when ``train.nproc_per_node`` resolves to more than one process). A stage's hash covers
 the config sections it and every stage before it read, so changing an upstream setting re-runs everything after
 it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress_every_s``) is left out, so a demo
 server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
@@ -56,6 +58,26 @@ def stage_hashes(cfg) -> dict[str, str]:
         payload[section] = dataclasses.asdict(getattr(cfg, section))
         out[name] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     return out
+
+
+def train_processes(cfg) -> int:
+    """Processes run_all starts for stage 04: train.nproc_per_node, where 0 means every GPU torch sees (1 on CPU,
+    or when train.device is cpu)."""
+    n = cfg.train.nproc_per_node
+    if n == 0:
+        if cfg.train.device == "cpu":
+            return 1
+        import torch
+
+        n = torch.cuda.device_count() or 1
+    return n
+
+
+def train_launcher(cfg) -> list[str]:
+    """``python -m`` arguments that start 04 on ``train_processes`` processes of this node (torchrun's own
+    single-node rendezvous), or [] for one plain process. Several nodes: README 04_train.py (torchrun by hand)."""
+    n = train_processes(cfg)
+    return ["torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n > 1 else []
 
 
 def find_script(repo: Path, pattern: str) -> Path:
@@ -117,7 +139,8 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),
-                     "log": str(dd.log_file(stage_log_name(script))), "extra": extra[name], "config": stage_config})
+                     "log": str(dd.log_file(stage_log_name(script))), "extra": extra[name], "config": stage_config,
+                     "launcher": train_launcher(cfg) if name == "04_train" else []})
     return rows
 
 
@@ -137,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for row in plan(args.config, args.vllm_url, Path(args.repo), args.allow_human_answers):
             print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["log"], row["config"],
-                             " ".join(row["extra"])]))
+                             " ".join(row["launcher"]) or "-", " ".join(row["extra"])]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,9 +17,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import shutil
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,20 +44,119 @@ from .records import (
     write_jsonl_atomic,
     write_provenance,
 )
-from .train_metrics import evaluate, plot_curves, step_metrics
+from .train_metrics import add_metrics, evaluate_sums, metric_keys, plot_curves, reduce_metrics, summarize
 
 log = logging.getLogger(__name__)
 
 LOSS_NAME = "kl_div"
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
+    """The training device; under torchrun every rank takes GPU ``LOCAL_RANK`` of its node."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise StageError(f"--device {name}: no CUDA device here (use --device cpu)")
+    if device.type == "cuda" and ranks is not None and ranks.distributed:
+        if device.index is not None and ranks.world > 1:
+            raise StageError(f"--device {name} names one GPU, but torchrun runs {ranks.world} processes: pass "
+                             "--device cuda (or auto), each rank then takes GPU LOCAL_RANK")
+        device = torch.device("cuda", ranks.local_rank)
     return device
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data parallel (torchrun)
+
+
+@dataclass
+class Ranks:
+    """This process's place in the job: torchrun sets WORLD_SIZE, RANK, LOCAL_RANK; without it one process."""
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    distributed: bool = False  # a process group exists (under torchrun, also with one process)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def job_ranks() -> Ranks:
+    if "WORLD_SIZE" not in os.environ:
+        return Ranks()
+    return Ranks(world=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), distributed=True)
+
+
+def start_process_group(ranks: Ranks, device: torch.device) -> None:
+    """NCCL between GPUs, gloo on CPU. A rank that dies is torchrun's to report: its elastic agent stops every
+    other rank (SIGTERM, then SIGKILL after 30 s) and exits non-zero naming the failed rank first."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # rank 0 alone writes a checkpoint (~12.5 GB for K2.5) while the others wait in a collective: 30 minutes, not
+    # the 10 of NCCL's default, before a wait counts as a hang
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def on_rank0(ranks: Ranks, fn: Callable[[], object]):
+    """Run ``fn`` on rank 0 alone (every file operation that is not per rank: deleting on --overwrite, run.json,
+    truncating metrics.jsonl, checkpoints and their pruning, the export); the other ranks wait for its outcome and
+    go on with its result, or stop with its StageError."""
+    error, out = None, None
+    if ranks.main:
+        try:
+            out = fn()
+        except StageError as e:
+            error = str(e)
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        box = [(error, out)]
+        dist.broadcast_object_list(box, src=0)
+        error, out = box[0]
+    if error is not None:
+        raise StageError(error if ranks.main else f"rank 0 stopped the job: {error}")
+    return out
+
+
+def rank_rows(num_rows: int, world: int, grad_accum: int, rank: int, start_step: int = 0) -> list[tuple[int, bool]]:
+    """This rank's packed rows of an epoch from optimizer step ``start_step`` on, one per micro-step, as
+    (row position, real). Step s trains rows s*G .. s*G+G-1 (G = world x grad_accum), micro-step a of rank r row
+    s*G + a*world + r, so every rank runs ceil(rows / G) steps of grad_accum micro-steps and no row is read twice.
+    Where the epoch's last step holds fewer than G rows, a rank without one re-reads the step's first row with
+    weight 0 (real False): it still joins the gradient all-reduce, and adds nothing to it."""
+    group = world * grad_accum
+    out = []
+    for s in range(start_step, math.ceil(num_rows / group)):
+        for a in range(grad_accum):
+            i = s * group + a * world + rank
+            out.append((i, True) if i < num_rows else (s * group, False))
+    return out
+
+
+def check_rows_trained(trained_per_rank: list[list[int]], rows: list, start_step: int, group: int,
+                       epoch: int) -> dict:
+    """Every packed row of the epoch from ``start_step`` on was trained by exactly one rank (raises otherwise);
+    returns the epoch's "rows" record for metrics.jsonl."""
+    from collections import Counter
+
+    want = set(range(start_step * group, len(rows)))
+    seen = Counter(i for ranked in trained_per_rank for i in ranked)
+    twice = sorted(i for i, n in seen.items() if n > 1)
+    if twice or set(seen) != want:
+        raise StageError(f"epoch {epoch}: the ranks trained packed rows {sorted(seen)[:20]}..., the packing has "
+                         f"{len(want)} from row {start_step * group} (missing {sorted(want - set(seen))[:20]}, "
+                         f"twice {twice[:20]}): a bug in the row split, not in the data")
+    return {"kind": "rows", "epoch": epoch, "rows": len(seen), "packed_rows": len(rows), "from_row": min(want, default=0),
+            "samples": sum(len(rows[i]) for i in seen), "rows_per_rank": [len(r) for r in trained_per_rank]}
 
 
 def resolve_attn_impl(name: str, device: torch.device) -> str:
@@ -339,7 +442,7 @@ def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int):
 
 
 def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
-    """The checkpoint to resume from, or None; refuses to silently overwrite an earlier run."""
+    """The checkpoint to resume from, or None; refuses to silently overwrite an earlier run (rank 0 alone)."""
     dd = DataDir(cfg.data_dir)
     existing = list_train_checkpoints(dd.checkpoints)
     if cfg.train.resume:
@@ -359,10 +462,15 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
     return None
 
 
-def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | None, manifest) -> None:
-    """--resume continues the same draft on the same data only. A fresh start records both in checkpoints/run.json;
-    a resume with another architecture (or warm start) or other hidden states / vocabulary is refused by name."""
-    import hashlib
+ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
+
+
+def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | None, manifest,
+                           ranks: Ranks) -> None:
+    """--resume continues the same draft on the same data, packing, schedule and split only. A fresh start records
+    them in checkpoints/run.json; a resume that changes any is refused naming the keys (rank 0 alone). The same
+    rows per step under another world size x grad_accum resumes exactly (the packing does not depend on the
+    world size); another number of rows per step is refused naming both."""
     import json
 
     from .records import atomic_write_json
@@ -378,19 +486,35 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
         "train.draft_intermediate_size": t.draft_intermediate_size,
         "hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens],
         "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
+        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step), the held-out split, the
+        # TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or (lm_head)
+        # does not load the optimizer state at all
+        "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
+        "train.warmup_ratio": t.warmup_ratio, "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: ranks.world * t.grad_accum,
     }
-    before = json.loads(dd.train_run.read_text())["settings"] if dd.train_run.exists() else None
+    layout = f"{ranks.world} x {t.grad_accum}"
+    record = json.loads(dd.train_run.read_text()) if dd.train_run.exists() else None
+    before = record["settings"] if record else None
     if resume_from is not None and before is None:
         log.warning("--resume: %s has no record of the run's settings (%s): cannot check them", dd.checkpoints,
                     dd.train_run.name)
     elif resume_from is not None:
-        changed = [f"{k}: {before.get(k)!r} then, {v!r} now" for k, v in now.items() if before.get(k, v) != v]
+        changed = []
+        for k, v in now.items():
+            if before.get(k, v) != v:
+                then_now = (f"{before[k]} ({record.get('layout', '?')}) then, {v} ({layout}) now"
+                            if k == ROWS_PER_STEP else f"{before.get(k)!r} then, {v!r} now")
+                changed.append(f"{k}: {then_now}")
         if changed:
-            raise StageError(f"--resume: {resume_from[1]} belongs to a run with another draft or data ("
+            raise StageError(f"--resume: {resume_from[1]} belongs to a run with other settings or data ("
                              f"{'; '.join(changed)}): restore those settings / inputs to resume it, or pass "
                              "--overwrite instead of --resume to start over (deletes its checkpoints)")
+        if record.get("layout", layout) != layout:
+            log.info("--resume: %d rows per step as before, now as world size x grad_accum %s (was %s)",
+                     now[ROWS_PER_STEP], layout, record["layout"])
         return
-    atomic_write_json(dd.train_run, {"settings": now})
+    atomic_write_json(dd.train_run, {"settings": now, "layout": layout})
 
 
 def _truncate_metrics(path: Path, state: TrainingState) -> None:
@@ -401,25 +525,62 @@ def _truncate_metrics(path: Path, state: TrainingState) -> None:
 
     repair_jsonl(path)
     keep = [r for r in read_jsonl(path)
-            if (r["kind"] == "train" and r["step"] <= state.step) or (r["kind"] == "eval" and r["epoch"] < state.epoch)]
+            if (r["kind"] == "train" and r["step"] <= state.step) or (r["kind"] != "train" and r["epoch"] < state.epoch)]
     write_jsonl_atomic(path, keep)
 
 
+def _checkpoint_bytes(model_state: dict, optimizer_state: dict) -> int:
+    """Bytes one checkpoint's tensors take (the draft's weights and the AdamW moments)."""
+    tensors = list(model_state.values()) + [v for entry in optimizer_state["state"].values() for v in entry.values()]
+    return sum(v.numel() * v.element_size() for v in tensors if isinstance(v, torch.Tensor))
+
+
+def check_free_space(folder: Path, need: int, min_free_gb: float) -> None:
+    """Refuse a save that would leave less than ``min_free_gb`` free on ``folder``'s disk, before writing a byte
+    (a disk that fills mid-write leaves a torn temporary folder and no new checkpoint)."""
+    free = shutil.disk_usage(folder).free
+    if free - need < min_free_gb * 1e9:
+        raise StageError(f"{folder}: {free / 1e9:.2f} GB free, a checkpoint needs {need / 1e9:.2f} GB and "
+                         f"train.min_free_gb {min_free_gb:g} GB must stay free: free space, lower "
+                         "train.keep_checkpoints, or move shared.data_dir; the checkpoints already written are "
+                         "intact (--resume continues from the newest)")
+
+
+def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` step_N checkpoints (0 = keep all) and temporary folders of saves that
+    never finished; final/ is not a step_N folder and is never touched. Returns what was deleted."""
+    gone = [p for p in checkpoints.glob(".step_*.tmp-*") if p.is_dir()]
+    existing = list_train_checkpoints(checkpoints)
+    if keep:
+        gone += [p for _, p in existing[:-keep]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def run_train(cfg: PipelineConfig) -> Path:
-    """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder."""
-    if resolve_device(cfg.train.device).type == "cpu" and cfg.train.cpu_threads:
+    """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder.
+    Under torchrun every rank runs this; rank 0 alone writes files (see ``on_rank0``)."""
+    ranks = job_ranks()
+    device = resolve_device(cfg.train.device, ranks)
+    if ranks.distributed:
+        start_process_group(ranks, device)
+    before = torch.get_num_threads()
+    if device.type == "cpu" and cfg.train.cpu_threads:
         # a toy draft's ops are small: with several threads each op waits for the slowest thread's time slice, and
         # on a shared 2-core machine a step took 4-6x longer than with one thread (README, demo)
-        before = torch.get_num_threads()
         torch.set_num_threads(cfg.train.cpu_threads)
-        try:
-            return _run_train(cfg)
-        finally:
-            torch.set_num_threads(before)
-    return _run_train(cfg)
+    try:
+        return _run_train(cfg, ranks, device)
+    finally:
+        torch.set_num_threads(before)
+        if ranks.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
-def _run_train(cfg: PipelineConfig) -> Path:
+def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     from speculators.losses import resolve_loss_config
     from speculators.train.recovery import RECOVERY_METADATA_KEY
 
@@ -429,18 +590,26 @@ def _run_train(cfg: PipelineConfig) -> Path:
     started = time.time()
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
-    device = resolve_device(t.device)
+    world, accum = ranks.world, t.grad_accum
+    group = world * accum  # packed rows per optimizer step
     dtype = train_dtype(device)
+    if ranks.distributed:
+        log.info("rank %d of %d (local rank %d, pid %d) on %s", ranks.rank, world, ranks.local_rank, os.getpid(),
+                 device)
     train_ds, val_ds, manifest = build_data(cfg, device)  # its checks refuse before any checkpoint is touched
-    resume_from = _prepare_checkpoints(cfg)
-    _check_resume_identity(cfg, resume_from, manifest)
+    resume_from = on_rank0(ranks, lambda: _prepare_checkpoints(cfg))
+    on_rank0(ranks, lambda: _check_resume_identity(cfg, resume_from, manifest, ranks))
     model, base_config = build_model(cfg, device)
     set_lm_head_training(model, cfg)
     model.to(device)
     autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)
 
+    # one packing for every world size (speculators' sampler at num_replicas 1): ranks split its rows (rank_rows).
+    # Its num_replicas > 1 would pack per world size (so 2 GPUs would not train what 1 GPU x grad_accum 2 does)
+    # and drops an epoch's last samples when fewer than num_replicas are left.
     epoch_batches = [packed_batches(train_ds, t.total_seq_len, s.seed, e) for e in range(t.epochs)]
-    total_steps = sum(len(b) for b in epoch_batches)
+    steps_per_epoch = [math.ceil(len(b) / group) for b in epoch_batches]
+    total_steps = sum(steps_per_epoch)
     if total_steps == 0:
         raise StageError(f"{dd.hidden_states}: no training batch (no samples?)")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -455,67 +624,112 @@ def _run_train(cfg: PipelineConfig) -> Path:
         model.load_state_dict(model_state, strict=False)
         optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(sched_state)
-        _truncate_metrics(dd.train_metrics, state)
-        log.info("resuming from %s: step %d, epoch %d, batch %d", resume_from[1], state.step, state.epoch,
+        on_rank0(ranks, lambda: _truncate_metrics(dd.train_metrics, state))
+        log.info("resuming from %s: step %d, epoch %d, step %d of the epoch", resume_from[1], state.step, state.epoch,
                  state.batches_done)
+    net = model
+    if ranks.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # buffers (the vocabulary maps) never change: no broadcast before every forward (torch 2.13 renamed the
+        # flag forward_sync_buffers; the H200 image's 2.11 knows only broadcast_buffers)
+        import inspect
+
+        no_sync = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True, **no_sync)
 
     loss_config = resolve_loss_config(LOSS_NAME, "eager")
     call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
+    keys = metric_keys(t.ttt_steps)
     train_sampler, val_sampler = EpochBatches(), EpochBatches()
     train_loader = make_loader(train_ds, train_sampler, cfg, device)
     val_loader = None
-    if val_ds is not None:
-        val_sampler.set(packed_batches(val_ds, t.total_seq_len, s.seed, 0))
+    if val_ds is not None:  # each rank evaluates its share of the held-out rows; the sums are all-reduced
+        val_sampler.set(packed_batches(val_ds, t.total_seq_len, s.seed, 0)[ranks.rank::world])
         val_loader = make_loader(val_ds, val_sampler, cfg, device)
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
-    log.info("training %d optimizer steps (%d epochs x ~%d packed rows of %d tokens, %d samples, hidden states %s) "
-             "on %s", cap, t.epochs, total_steps // t.epochs, t.total_seq_len, manifest.num_samples,
-             manifest.storage_dtype, device)
+    log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
+             "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
+             "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
+             "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
+             manifest.num_samples, manifest.storage_dtype, device)
 
     def save(at: TrainingState) -> None:
-        save_train_checkpoint(dd.checkpoint_step(at.step), draft_state(model), optimizer.state_dict(),
-                              scheduler.state_dict(), at)
-        log.info("checkpoint %s", dd.checkpoint_step(at.step))
+        def write() -> None:
+            folder = dd.checkpoint_step(at.step)
+            model_state, opt_state = draft_state(model), optimizer.state_dict()
+            dd.checkpoints.mkdir(parents=True, exist_ok=True)
+            check_free_space(dd.checkpoints, _checkpoint_bytes(model_state, opt_state), t.min_free_gb)
+            save_train_checkpoint(folder, model_state, opt_state, scheduler.state_dict(), at)
+            log.info("checkpoint %s", folder)
+            for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints):
+                log.info("deleted %s (train.keep_checkpoints %d)", gone, t.keep_checkpoints)
 
-    progress = Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step, desc="Training")
-    metrics_log = JsonlAppender(dd.train_metrics, fsync_every=16)
+        on_rank0(ranks, write)
+
+    progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
+                         desc="Training") if ranks.main else None)
+    metrics_log = JsonlAppender(dd.train_metrics, fsync_every=16) if ranks.main else None
     model.train()
-    tokens_seen, t0 = 0, time.monotonic()
+    tokens_seen, t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
     waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
     stopped = False
     try:
         for epoch in range(state.epoch, t.epochs):
+            rows = epoch_batches[epoch]
             start = state.batches_done if epoch == state.epoch else 0
-            train_sampler.set(epoch_batches[epoch], start)
-            done_in_epoch = start
-            for batch, gpu in device_batches(train_loader, device, dtype, waited):
-                tokens = int((batch["document_ids"] != -1).sum())
-                if batch.get("error_records"):  # speculators' reader skipped samples (token ids differ from the row)
-                    log.warning("epoch %d batch %d: %d samples skipped: %s", epoch, done_in_epoch + 1,
-                                batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    _, loss, metrics = model(**gpu, **call_kwargs)
+            plan = rank_rows(len(rows), world, accum, ranks.rank, start)
+            train_sampler.set([rows[i] for i, _ in plan])
+            trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
+            batches = device_batches(train_loader, device, dtype, waited)
+            for step_in_epoch in range(start, steps_per_epoch[epoch]):
+                present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                sums, skipped = None, 0
+                for micro in range(accum):
+                    batch, gpu = next(batches)
+                    position, real = plan[(step_in_epoch - start) * accum + micro]
+                    if real and batch.get("error_records"):  # speculators' reader skipped samples (ids differ)
+                        skipped += int(batch["error_records"])
+                        log.warning("epoch %d packed row %d: %d samples skipped: %s", epoch, position,
+                                    batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
+                    # the step's gradient is the mean over its rows of each row's gradient: DDP averages over
+                    # ranks, so each rank scales its rows by world / rows present (0 for a placeholder row)
+                    weight = world / present if real else 0.0
+                    last = micro == accum - 1  # gradients are all-reduced once a step, after the last micro-step
+                    with nullcontext() if last or net is model else net.no_sync():
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                            _, loss, metrics = net(**gpu, **call_kwargs)
+                        (loss * weight).backward()
+                    if real:
+                        trained.append(position)
+                        tokens_seen += int((batch["document_ids"] != -1).sum())
+                        sums = add_metrics(sums, metrics, keys)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 lr_used = optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
                 optimizer.step()
                 scheduler.step()
-                done_in_epoch += 1
-                state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=done_in_epoch, seed=s.seed)
-                tokens_seen += tokens
+                state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
                 if state.step % t.log_every == 0 or state.step == cap:
-                    row = step_metrics(metrics, t.ttt_steps)
-                    rate = tokens_seen / max(time.monotonic() - t0, 1e-9)
-                    metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
-                                       "lr": lr_used, "tokens_per_s": rate,
-                                       "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0,
-                                       "loader_wait_s": waited.get("loader_wait_s", 0.0),
-                                       "skipped_samples": int(batch.get("error_records", 0)), **row})
-                    progress.set_fields(loss=f"{row['loss']:.3f}", **{
-                        f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
-                        **{"tok/s": f"{rate:.0f}"})
-                progress.update(1)
+                    totals, (tokens_all, skipped_all) = reduce_metrics(sums, keys, device, [tokens_seen, skipped],
+                                                                       ranks.distributed)
+                    row = summarize(totals, t.ttt_steps)
+                    rate = tokens_all / max(time.monotonic() - t0, 1e-9)
+                    if ranks.main:
+                        metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
+                                           "lr": lr_used, "tokens_per_s": rate,
+                                           "tokens": int(tokens_all), "elapsed_s": time.monotonic() - t0,
+                                           "loader_wait_s": waited.get("loader_wait_s", 0.0),
+                                           "skipped_samples": int(skipped_all), "rows": int(totals["loss_total"]),
+                                           **row})
+                        progress.set_fields(loss=f"{row['loss']:.3f}", **{
+                            f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
+                            **{"tok/s": f"{rate:.0f}"})
+                if progress is not None:
+                    progress.update(1)
                 if state.step % t.checkpoint_every == 0:
                     save(state)
                 if t.max_steps and state.step >= t.max_steps:
@@ -523,27 +737,50 @@ def _run_train(cfg: PipelineConfig) -> Path:
                     break
             if stopped:
                 break
+            next(batches, None)  # lets the loader's epoch end (the plan held exactly its batches)
+            per_rank = [trained]
+            if ranks.distributed:
+                import torch.distributed as dist
+
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, trained)
+            if ranks.main:
+                record = check_rows_trained(per_rank, rows, start, group, epoch)
+                metrics_log.write(record)
+                log.info("epoch %d: %d packed rows trained (%d samples), each once, over %d rank%s (%s rows each); "
+                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
+                         "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
+                         len(rows) - record["from_row"])
             if val_loader is not None:
-                ev = evaluate(model, device_batches(val_loader, device, dtype), device, autocast, call_kwargs,
-                              t.ttt_steps)
-                metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
-                log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                ev_sums = evaluate_sums(model, device_batches(val_loader, device, dtype), autocast, call_kwargs, keys,
+                                        device)
+                ev = summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0], t.ttt_steps)
+                if ranks.main:
+                    metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
+                    log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
     finally:
-        metrics_log.close()
-        progress.close()
+        if metrics_log is not None:
+            metrics_log.close()
+        if progress is not None:
+            progress.close()
     save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
 
-    model.to("cpu")
-    if t.export_format == "speculators":
-        out = draft.export_speculators(model, dd.final_checkpoint)
-    else:
-        out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
-    plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
-    write_provenance(dd.provenance(dd.checkpoints), stage="train", config_hash=cfg.section_hash("shared", "train"),
-                     config=cfg.to_dict(), inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
-                     counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples},
-                     started=started)
-    log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
-             dd.train_curves, time.time() - started)
-    return out
+    def export() -> Path:
+        model.to("cpu")
+        if t.export_format == "speculators":
+            out = draft.export_speculators(model, dd.final_checkpoint)
+        else:
+            out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
+        plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
+        write_provenance(dd.provenance(dd.checkpoints), stage="train",
+                         config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
+                         inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
+                         counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples,
+                                 "world_size": world, "grad_accum": accum, "rows_per_step": group},
+                         started=started)
+        log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
+                 dd.train_curves, time.time() - started)
+        return out
+
+    return on_rank0(ranks, export)

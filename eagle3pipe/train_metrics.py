@@ -9,37 +9,61 @@ import torch
 from .records import read_jsonl
 
 
-def step_metrics(metrics: dict, ttt_steps: int) -> dict[str, float]:
-    """{"loss": total, "loss_1".., "acc_1"..}: per-TTT-step KL loss and accuracy (all earlier steps included)."""
-    out = {"loss": float(metrics["loss_sum"])}
+def metric_keys(ttt_steps: int) -> list[str]:
+    """speculators' metric sums that our loss and acc@k are made of, in a fixed order (one all-reduce a log step)."""
+    keys = ["loss_sum", "loss_total"]
     for i in range(ttt_steps):
-        out[f"loss_{i + 1}"] = float(metrics[f"loss_{i}_sum"])
-        total = float(metrics[f"full_acc_{i}_total"])
-        out[f"acc_{i + 1}"] = float(metrics[f"full_acc_{i}_sum"]) / total if total else 0.0
+        keys += [f"loss_{i}_sum", f"full_acc_{i}_sum", f"full_acc_{i}_total"]
+    return keys
+
+
+def add_metrics(sums: dict | None, metrics: dict, keys: list[str]) -> dict:
+    """``sums`` plus one packed row's metrics (tensors, added where they are: no device sync)."""
+    if sums is None:
+        return {k: metrics[k].detach().float().reshape(()) for k in keys}
+    return {k: sums[k] + metrics[k].detach().float().reshape(()) for k in keys}
+
+
+def reduce_metrics(sums: dict | None, keys: list[str], device: torch.device, extra: list[float] = (),
+                   distributed: bool = False) -> tuple[dict[str, float], list[float]]:
+    """Sum ``sums`` (None: this rank trained no row) and ``extra`` over every rank with one all-reduce."""
+    zero = torch.zeros((), device=device)
+    vector = torch.stack([sums[k] if sums is not None else zero for k in keys]
+                         + [torch.tensor(float(x), device=device) for x in extra])
+    if distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(vector)
+    values = vector.tolist()
+    return dict(zip(keys, values[:len(keys)])), values[len(keys):]
+
+
+def summarize(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
+    """{"loss", "loss_1".., "acc_1"..} over the rows summed: losses are the mean over rows (each packed row's loss
+    counts once, as speculators weights it), acc@k the share of all supervised tokens right (all earlier steps
+    included)."""
+    rows = sums["loss_total"]
+    out = {"loss": sums["loss_sum"] / rows if rows else 0.0}
+    for i in range(ttt_steps):
+        out[f"loss_{i + 1}"] = sums[f"loss_{i}_sum"] / rows if rows else 0.0
+        total = sums[f"full_acc_{i}_total"]
+        out[f"acc_{i + 1}"] = sums[f"full_acc_{i}_sum"] / total if total else 0.0
     return out
 
 
 @torch.no_grad()
-def evaluate(model, batches_on_device, device: torch.device, autocast: bool, call_kwargs: dict, ttt_steps: int) -> dict:
-    """Mean loss and accuracy per TTT step over ``batches_on_device`` ((host batch, device batch) pairs)."""
+def evaluate_sums(model, batches_on_device, autocast: bool, call_kwargs: dict, keys: list[str],
+                  device: torch.device) -> dict | None:
+    """Metric sums over ``batches_on_device`` ((host batch, device batch) pairs: this rank's share of the held-out
+    rows); None when it holds none. ``summarize(reduce_metrics(...))`` turns them into the mean over all ranks."""
     model.eval()
-    sums: dict[str, float] = {}
-    batches = 0
+    sums = None
     for _, gpu in batches_on_device:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, _, metrics = model(**gpu, **call_kwargs)
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-        batches += 1
+        sums = add_metrics(sums, metrics, keys)
     model.train()
-    if not batches:
-        return {}
-    out = {"loss": sums["loss_sum"] / batches}
-    for i in range(ttt_steps):
-        out[f"loss_{i + 1}"] = sums[f"loss_{i}_sum"] / batches
-        total = sums[f"full_acc_{i}_total"]
-        out[f"acc_{i + 1}"] = sums[f"full_acc_{i}_sum"] / total if total else 0.0
-    return out
+    return sums
 
 
 def plot_curves(metrics_path: Path, out_png: Path, ttt_steps: int) -> None:

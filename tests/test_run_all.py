@@ -169,3 +169,13 @@ def test_run_all_stops_at_an_unfinished_01b_with_the_count_and_the_command_to_re
         sent_again = {p: n - before.get(p, 0) for p, n in stub.requests.items() if n != before.get(p, 0)}
     assert sent_again == {"what is 2 + 2?": 1}
     assert dd.stage_marker("01b_generate").is_file()
+
+
+def test_plan_starts_04_under_torchrun_when_train_nproc_per_node_is_above_one(tmp_path, toy_llama):
+    """Issue 17: train.nproc_per_node 2 gives 04 (and only 04) torchrun's launcher; 0 on a CPU config, 1 process."""
+    repo = Path(__file__).resolve().parents[1]
+    for nproc, want in ((2, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"]), (0, []), (1, [])):
+        cfg = write_config(tmp_path, toy_llama, train={"nproc_per_node": nproc, "device": "cpu"})
+        rows = {r["name"]: r for r in plan(str(cfg), ["http://127.0.0.1:1"], repo)}
+        assert rows["04_train"]["launcher"] == want, nproc
+        assert all(r["launcher"] == [] for name, r in rows.items() if name != "04_train")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3pipe.records import DataDir, load_eval_report
+from eagle3pipe.records import DataDir, load_eval_report, read_jsonl
 
 from test_server_lifecycle import _server_group
 from watch import run_watched
@@ -31,6 +31,9 @@ def test_reduced_demo_end_to_end(tmp_path):
     cfg["prepare"]["max_samples"] = 48
     cfg["generate"]["max_samples"] = 48
     cfg["evaluate"].update(prompts=str(data / "eval_prompts.jsonl"), num_prompts=24, baseline=False)
+    # 04 on 2 processes (issue 17): run_all.sh starts torchrun (gloo), rank 0 exports, 05's vLLM speculates with it.
+    # Twice the epochs keep the optimizer steps of one process (each step now averages 2 packed rows)
+    cfg["train"].update(nproc_per_node=2, epochs=2 * cfg["train"]["epochs"])
     cfg_path = tmp_path / "demo_ci.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, CONFIG=str(cfg_path), DEMO_SKIP_SETUP="1")
@@ -45,6 +48,10 @@ def test_reduced_demo_end_to_end(tmp_path):
     assert "| acceptance length (1 + accepted / drafts) |" in res.stdout  # the table is printed at the end
     for stage in ("01_prepare", "01b_generate", "02_extract", "03_vocab", "04_train", "05_evaluate"):
         assert DataDir(data).stage_marker(stage).is_file(), stage
+    assert "04_train: on torch.distributed.run --standalone --nproc-per-node 2" in res.stdout
+    rows = [r for r in read_jsonl(DataDir(data).train_metrics) if r["kind"] == "rows"]
+    assert rows and all(len(r["rows_per_rank"]) == 2 and r["rows"] == r["packed_rows"] for r in rows), rows
+    assert (data / "logs" / "04_train.rank1.log").is_file()
     port = (data / "logs" / ".demo_vllm_ready").read_text().strip().rsplit(":", 1)[1]
     assert _server_group(f"--port {port} ") is None, "demo.sh left its generation server running"
     assert _server_group(str(data)) is None, "stage 05 left its vLLM server running"

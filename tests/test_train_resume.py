@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints
+from eagle3pipe.records import DataDir, list_train_checkpoints, read_jsonl
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import make_rows, toy_config, write_hidden_states, write_rows
@@ -40,4 +42,74 @@ def test_resume_with_another_draft_or_other_data_is_refused_by_name(tmp_path, to
     # the same settings resume; --overwrite starts over on the new data
     assert run_stage("train", "04_train", run_train, None, argv + ["--overwrite"]) == 0
     assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "2", "--resume"]) == 0
+    assert [s for s, _ in list_train_checkpoints(dd.checkpoints)] == [1, 2]
+
+
+def _door(tmp_path, toy_llama, *extra) -> list[str]:
+    return ["--data-dir", str(tmp_path), "--verifier", str(toy_llama), "--vocab-size", "1088", "--hidden-size", "128",
+            "--draft-vocab-size", "256", "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--epochs", "2",
+            "--total-seq-len", "256", "--max-seq-len", "256", "--eval-fraction", "0", "--num-workers", "0",
+            "--checkpoint-every", "1", "--draft-num-heads", "4", "--draft-head-dim", "64",
+            "--draft-intermediate-size", "256", *extra]
+
+
+def test_resume_refuses_a_changed_packing_schedule_split_unroll_or_lm_head_naming_the_keys(tmp_path, toy_llama,
+                                                                                           capsys):
+    """Issue 19 item 6: each of these changes the packing, the schedule or the split (the resumed run would skip or
+    repeat samples), or which tensors the optimizer holds (train_lm_head: a raw ValueError from its state)."""
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=6))
+    assert run_stage("train", "04_train", run_train, None, _door(tmp_path, toy_llama, "--max-steps", "1")) == 0
+    capsys.readouterr()
+    changes = {"shared.seed": ["--seed", "1"], "train.total_seq_len": ["--total-seq-len", "512"],
+               "train.epochs": ["--epochs", "3"], "train.warmup_ratio": ["--warmup-ratio", "0.5"],
+               "train.eval_fraction": ["--eval-fraction", "0.25"], "train.ttt_steps": ["--ttt-steps", "2"],
+               "train.train_lm_head": ["--train-lm-head"]}
+    for key, flags in changes.items():
+        argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", *flags)
+        assert run_stage("train", "04_train", run_train, None, argv) == 2, key
+        err = capsys.readouterr().err
+        assert f"{key}: " in err and "then" in err and "--overwrite" in err, (key, err)
+        assert "ValueError" not in err and [s for s, _ in list_train_checkpoints(DataDir(tmp_path).checkpoints)] == [1]
+    # with none of them changed it resumes (max_steps, log and checkpoint cadence may change)
+    argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", "--log-every", "3")
+    assert run_stage("train", "04_train", run_train, None, argv) == 0
+    assert [s for s, _ in list_train_checkpoints(DataDir(tmp_path).checkpoints)] == [1, 2]
+
+
+def test_checkpoints_are_pruned_to_keep_checkpoints_and_final_is_kept(tmp_path, toy_llama):
+    """Issue 19 item 8: only the newest train.keep_checkpoints step_N folders stay (and final/); a temporary folder
+    a killed save left behind is removed."""
+    _prepare(tmp_path, toy_llama, make_rows(24, seed=8))
+    dd = DataDir(tmp_path)
+    torn = dd.checkpoints / ".step_1.tmp-999999"  # what a save killed mid-write leaves
+    torn.mkdir(parents=True)
+    (torn / "model.safetensors").write_bytes(b"half")
+    assert run_stage("train", "04_train", run_train, None, _door(tmp_path, toy_llama, "--keep-checkpoints", "2",
+                                                                 "--log-every", "1")) == 0
+    steps = [s for s, _ in list_train_checkpoints(dd.checkpoints)]
+    total = len([r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"])
+    assert total >= 4 and steps == [total - 1, total]
+    assert not torn.exists() and dd.final_checkpoint.is_dir()
+    assert {p.name for p in dd.checkpoints.iterdir() if p.name.startswith(("step_", ".step_"))} == \
+        {f"step_{total - 1}", f"step_{total}"}
+
+
+def test_a_save_that_would_fill_the_disk_stops_before_writing(tmp_path, toy_llama, capsys):
+    """Issue 19 item 8: the free-space check runs before each save against the disk's real free space; here the
+    margin (train.min_free_gb) is set past any disk, so the save at step 2 is refused with one error line naming the
+    space and the keys, and step_1 stays complete and resumable."""
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=9))
+    dd = DataDir(tmp_path)
+    assert run_stage("train", "04_train", run_train, None, _door(tmp_path, toy_llama, "--max-steps", "1")) == 0
+    before = {p.name: p.read_bytes() for p in (dd.checkpoints / "step_1").iterdir()}
+    capsys.readouterr()
+    argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", "--min-free-gb", "1e9")
+    assert run_stage("train", "04_train", run_train, None, argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: .*checkpoints: [\d.]+ GB free, a checkpoint needs [\d.]+ GB and train.min_free_gb 1e\+09",
+                     err) and "train.keep_checkpoints" in err, err
+    assert sorted(p.name for p in dd.checkpoints.iterdir() if "step_" in p.name) == ["step_1"]  # nothing torn
+    assert {p.name: p.read_bytes() for p in (dd.checkpoints / "step_1").iterdir()} == before
+    assert run_stage("train", "04_train", run_train, None, _door(tmp_path, toy_llama, "--max-steps", "2",
+                                                                 "--resume")) == 0
     assert [s for s, _ in list_train_checkpoints(dd.checkpoints)] == [1, 2]
