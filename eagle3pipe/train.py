@@ -10,6 +10,12 @@ is ours (~100 lines) rather than speculators' ``Trainer`` because that one moves
 checkpoints every N steps with exact step resume, the CPU toy run, and our progress lines. Settings that differ
 by device: flex attention on CUDA, sdpa on CPU (flex backward is not implemented on CPU); the eager loss always
 (the fused Triton loss needs Triton and crashed under torch.compile on the H200).
+
+Several GPUs (or CPU processes): torchrun starts one process per GPU, each runs ``run_train``; the draft is wrapped
+in torch's ``DistributedDataParallel`` (gradients averaged over ranks once per step, ``no_sync`` while
+``train.grad_accum`` rows accumulate), every rank trains its share of one packing (``rank_rows``), metrics are
+all-reduced, and rank 0 alone touches files (``on_rank0``). A rank that dies is torchrun's to report: its elastic
+agent stops the others and names it.
 """
 
 from __future__ import annotations
