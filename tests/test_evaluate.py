@@ -227,6 +227,24 @@ def test_evaluate_config_requires_prompts(tmp_path):
         cfg.validate("evaluate")
     cfg.evaluate.prompts = "p.jsonl"
     cfg.validate("evaluate")
+    cfg = load_config(None, {"shared": {"verifier": str(tmp_path)}, "evaluate": {"benchmarks": ["gsm8k"]}})
+    cfg.validate("evaluate")  # named sets alone are enough
+
+
+def test_concurrency_is_a_list_of_levels(tmp_path):
+    from eagle3pipe.config import parse_stage_args
+
+    base = ["--verifier", str(tmp_path), "--benchmarks", "gsm8k", "math500"]
+    assert parse_stage_args("evaluate", base + ["--concurrency", "1", "8", "16"]).evaluate.concurrency == [1, 8, 16]
+    assert parse_stage_args("evaluate", base).evaluate.benchmarks == ["gsm8k", "math500"]
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text("evaluate:\n  concurrency: 4\n")  # one level, written as a number
+    assert parse_stage_args("evaluate", base + ["--config", str(cfg_path)]).evaluate.concurrency == [4]
+    for bad in (["0", "4"], ["4", "4"]):
+        with pytest.raises(ConfigError, match="evaluate.concurrency"):
+            parse_stage_args("evaluate", base + ["--concurrency", *bad])
+    flags = base + ["--baseline-draft", "/a", "--baseline-draft", "old=/b"]
+    assert parse_stage_args("evaluate", flags).evaluate.baseline_draft == ["/a", "old=/b"]
 
 
 # -- issue 12 item 7: per-request counters, servers started for a GPU box -------------------------------------------
