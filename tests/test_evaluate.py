@@ -214,6 +214,13 @@ def test_eval_report_round_trip_markdown_and_plot(tmp_path):
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_server_commands_in_the_report_hide_an_api_key():
+    from eagle3pipe.evaluate import _redacted
+
+    assert _redacted(["python", "--api-key", "s3cret", "--port", "1", "--api-key=x"]) == \
+        ["python", "--api-key", "***", "--port", "1", "--api-key=***"]
+
+
 def test_check_eval_report_rejects_wrong_position_count():
     report = _report(k=3)
     report["num_speculative_tokens"] = 4
@@ -320,6 +327,7 @@ CPU_BUILD = json.dumps({"cpu": True, "count": 1, "prm": True})
 def test_server_started_on_a_gpu_box_gets_no_cpu_settings_and_the_config_flags(tmp_path, monkeypatch, capsys):
     code, err, starts = _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD})
     assert code == 2 and "vLLM exited with status 1 during start-up" in err, err
+    assert "error: draft 'draft' (" in err  # which draft's server failed
     argv = starts[0]["argv"]
     assert "--enforce-eager" not in argv and starts[0]["kv_cache"] is None  # CUDA graphs on, no CPU KV setting
     assert argv[argv.index("--tensor-parallel-size") + 1] == "8"  # every GPU vLLM sees
