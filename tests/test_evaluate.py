@@ -12,7 +12,8 @@ import pytest
 from eagle3pipe.config import ConfigError, load_config
 from eagle3pipe.cli import StageError
 from eagle3pipe.eval_sets import KNOWN_SETS, choose, load_chat_prompts, load_eval_set, load_eval_sets
-from eagle3pipe.evaluate import plot_acceptance, spec_decode_delta
+from eagle3pipe.acceptance import spec_decode_delta
+from eagle3pipe.evaluate import plot_acceptance
 from eagle3pipe.records import DataDir, FormatError, check_eval_report, load_eval_report, save_eval_report
 from eagle3pipe.server import ServerMetrics, parse_prometheus_text
 
@@ -159,7 +160,7 @@ def test_eval_set_errors_name_the_entry(tmp_path):
 
 def _runs_and_acceptance(drafts: dict[str, dict[str, list[dict]]], levels=("1", "4")):
     """A report's runs/acceptance for drafts -> set -> per-request counters (the same at every level)."""
-    from eagle3pipe.evaluate import per_request_delta, pooled_figures
+    from eagle3pipe.acceptance import per_request_delta, pooled_figures
 
     runs, acceptance = {}, {}
     for draft, per_set in drafts.items():
@@ -258,7 +259,7 @@ def test_concurrency_is_a_list_of_levels(tmp_path):
 
 
 def test_per_request_counters_sum_to_the_report_figures():
-    from eagle3pipe.evaluate import per_request_delta
+    from eagle3pipe.acceptance import per_request_delta
 
     # two responses' metrics.speculative_decoding as vLLM 0.32 returns them (k = 3): histogram entry j = verify steps
     # that accepted exactly j draft tokens
