@@ -101,7 +101,8 @@ def _recount(per_request: list[dict]) -> dict:
         for j, n in enumerate(hist):
             for i in range(j):  # a step that accepted j tokens accepted positions 0 .. j-1
                 at_position[i] += n
-    return {"drafts": steps, "accepted_tokens": accepted, "draft_tokens": proposed, "accepted_per_position": at_position}
+    return {"drafts": steps, "accepted_tokens": accepted, "draft_tokens": proposed,
+            "accepted_per_position": at_position}
 
 
 @pytest.mark.integration
