@@ -21,22 +21,6 @@ Acceptance length = 1 + accepted / drafts (mean tokens per verify step), from ea
 Servers started here: CPU-only flags only on a CPU build of vLLM; --server-args replaces the defaults;
 --tensor-parallel-size, --trust-remote-code and the start timeout come from the config.
 All logic lives in eagle3pipe/evaluate.py (sets: eagle3pipe/eval_sets.py).
-"""Stage 05: acceptance length, per-position acceptance and tokens/s of the exported draft, measured in vLLM.
-
-Usage:
-    python 05_evaluate.py --config configs/demo.yaml
-    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts mtbench.jsonl --num-speculative-tokens 3
-    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts gsm8k.jsonl \
-        --eval-url http://gpu-box:8000 --baseline-url http://gpu-box:8001     # servers you started yourself
-Reads:  <data_dir>/checkpoints/final (or --draft DIR), the verifier folder, --prompts (held-out JSONL chats);
-        starts `vllm.entrypoints.openai.api_server` with --speculative-config (method eagle3) unless --eval-url,
-        and a second one without the draft for the baseline unless --no-baseline / --baseline-url.
-Writes: <data_dir>/eval/{report.json, report.md, acceptance.png}, logs/05_evaluate.log, logs/05_vllm_*.log.
-Acceptance length = 1 + accepted / drafts (mean tokens per verify step), from each response's own counters
-(vLLM --per-request-spec-decode-metrics, set on servers started here) or else the server's /metrics delta.
-Servers started here: CPU-only flags only on a CPU build of vLLM; --server-args replaces the defaults;
---tensor-parallel-size, --trust-remote-code and the start timeout come from the config.
-All logic lives in eagle3pipe/evaluate.py.
 """
 
 import sys
