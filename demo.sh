@@ -89,7 +89,7 @@ EOF
   ./run_all.sh --config "$CONFIG" --vllm-url "$URL" --from 02_extract "$@"
 
   echo
-  echo "== Acceptance table ($DATA_DIR/eval/report.md; plot: $DATA_DIR/eval/acceptance.png) =="
+  echo "== Acceptance and tokens/s tables: rows = prompt sets, columns = drafts ($DATA_DIR/eval/report.md; plot: $DATA_DIR/eval/acceptance.png) =="
   cat "$DATA_DIR/eval/report.md"
 }
 

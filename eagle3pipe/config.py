@@ -155,15 +155,23 @@ class TrainConfig:
 @dataclass
 class EvaluateConfig:
     draft: str = ""  # exported draft folder; empty = <data_dir>/checkpoints/final
-    num_speculative_tokens: int = 3  # draft tokens proposed per step (k)
-    num_prompts: int = 64  # held-out prompts sent
-    concurrency: int = 8  # requests in flight during evaluation
+    num_speculative_tokens: int = 3  # draft tokens proposed per verify step (k = vLLM's num_speculative_tokens;
+    # SGLang's "steps 3, topk 1, num_draft_tokens 4" is k = 3: its draft-token count includes the verified token)
+    num_prompts: int = 64  # prompts sent from every set, chosen by shared.seed (0 = all; a smaller set is an error)
+    concurrency: list[int] = field(default_factory=lambda: [8])  # requests in flight; each level is one pass over
+    # every set on every server (tokens/s and speedup per level; acceptance pools the levels)
     max_completion_tokens: int = 512  # cap per evaluation request
-    prompts: str = ""  # held-out prompts: JSONL chat file (messages/conversations), cut at the last user turn
+    prompts: str = ""  # one held-out JSONL chat file (messages/conversations), cut at the last user turn; its report
+    # row is named after the file
+    benchmarks: list[str] = field(default_factory=list)  # named sets: mtbench, gsm8k, humaneval, math500 (from the
+    # hub), NAME=FILE (a known set's schema in a local .jsonl/.parquet), or a JSONL chat file (eval_sets.py)
+    baseline_draft: list[str] = field(default_factory=list)  # other draft folders measured beside the exported one,
+    # each on its own server with the same verifier and k (DIR, or NAME=DIR to name its report column)
     temperature: float = 0.0  # sampling temperature of evaluation requests (0 = greedy)
     request_timeout_s: float = 600.0  # per-request client timeout, seconds
     eval_url: str = ""  # a running vLLM server already serving verifier + draft (no /v1); empty = start one
-    baseline: bool = True  # also measure tokens/s without the draft (starts a second server unless --baseline-url)
+    baseline: bool = True  # also measure the verifier alone, for tokens/s without a draft and the speedup (starts
+    # one more server unless --baseline-url)
     baseline_url: str = ""  # a running vLLM server serving the verifier without a draft (no /v1)
     server_args: list[str] = field(default_factory=list)  # vLLM flags for servers started here; non-empty REPLACES
     # the platform defaults (CPU: --enforce-eager; GPU: none). Always added: --model, --host, --port,
@@ -259,10 +267,17 @@ class PipelineConfig:
                                   "min_free_gb >= 0")
         if stage == "evaluate":
             ev = self.evaluate
-            if not ev.prompts:
-                raise ConfigError("evaluate.prompts is empty: pass --prompts FILE.jsonl (held-out chat prompts)")
-            if ev.num_speculative_tokens < 1 or ev.concurrency < 1:
-                raise ConfigError("evaluate.num_speculative_tokens and evaluate.concurrency must be >= 1")
+            if not ev.prompts and not ev.benchmarks:
+                raise ConfigError("evaluate.prompts and evaluate.benchmarks are empty: pass --prompts FILE.jsonl "
+                                  "(held-out chat prompts) or --benchmarks mtbench gsm8k humaneval math500")
+            if ev.num_speculative_tokens < 1 or not ev.concurrency or min(ev.concurrency) < 1:
+                raise ConfigError("evaluate.num_speculative_tokens and every evaluate.concurrency level must be >= 1, "
+                                  f"got {ev.num_speculative_tokens} and {ev.concurrency}")
+            if len(set(ev.concurrency)) != len(ev.concurrency) or ev.num_prompts < 0:
+                raise ConfigError(f"evaluate.concurrency lists a level twice ({ev.concurrency}) or "
+                                  f"evaluate.num_prompts < 0 ({ev.num_prompts})")
+            if ev.baseline_draft and not s.verifier:
+                raise ConfigError("evaluate.baseline_draft needs shared.verifier: each draft gets a server started here")
             if not ev.eval_url and not s.verifier:
                 raise ConfigError("shared.verifier is empty: pass --verifier DIR (or --eval-url of a running server)")
             if ev.vllm_platform not in ("auto", "cpu", "gpu"):

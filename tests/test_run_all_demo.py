@@ -45,7 +45,8 @@ def test_reduced_demo_end_to_end(tmp_path):
     # the shipped verifier and 48 regenerated answers: measured 1.6-1.7 (README); a draft that learned nothing
     # stays near 1.0
     assert wd["acceptance_length"] > 1.3, json.dumps(wd)
-    assert "| acceptance length (1 + accepted / drafts) |" in res.stdout  # the table is printed at the end
+    assert "### Acceptance length (1 + accepted / drafts)" in res.stdout  # the tables are printed at the end
+    assert "| benchmark | draft |" in res.stdout and "| eval_prompts |" in res.stdout  # row = the prompt file
     for stage in ("01_prepare", "01b_generate", "02_extract", "03_vocab", "04_train", "05_evaluate"):
         assert DataDir(data).stage_marker(stage).is_file(), stage
     assert "04_train: on torch.distributed.run --standalone --nproc-per-node 2" in res.stdout
