@@ -7,7 +7,7 @@ for identical work. Each tool runs as its own process (interpreter start, tokeni
 included). After one warm-up run of each, the tools alternate which goes first in each of ``--repeats`` rounds, so
 a slow spell of the shared machine falls on both. Per run it reports the wall time, the samples lost (asked minus
 written), the machine's load average, and what the server saw: ``vllm:num_requests_running`` / ``waiting``
-sampled every 0.5 s (averaged over the run's wall time and over the time any request ran) and the per-request
+sampled every 0.25 s (averaged over the run's wall time and over the time any request ran) and the per-request
 histograms' means over the run (e2e, queue, prefill, decode). The table: every run, the medians, the ratio
 ours/theirs.
 
@@ -57,20 +57,32 @@ class ServerLoad(threading.Thread):
     """Samples the server's running/waiting request gauges every ``every_s`` while one tool runs; the histogram
     sums and counts are read at the start and the end, so their means cover exactly the run."""
 
-    def __init__(self, url: str, every_s: float = 0.5):
+    def __init__(self, url: str, every_s: float = 0.25):
         super().__init__(daemon=True)
         self.url, self.every_s = url, every_s
         self.samples: list[tuple[float, float]] = []  # (running, waiting)
         self.stop = threading.Event()
         self.before = read_metrics(url)
+        self.started = time.perf_counter()
+        self.first_seen: float | None = None  # first scrape with a request of this run running, waiting or done
+        self.last_done: float | None = None  # first scrape at which every request of this run had finished
 
     def run(self) -> None:
+        e2e = HISTOGRAMS["e2e"] + "_count"
+        base = self.before.value(e2e)
         while not self.stop.wait(self.every_s):
             try:
                 m = read_metrics(self.url)
             except Exception:  # a missed scrape is a missing sample, nothing more
                 continue
+            now = time.perf_counter() - self.started
             self.samples.append((m.running, m.waiting))
+            if self.first_seen is None and (m.running or m.waiting or m.value(e2e) > base):
+                self.first_seen = now
+            if self.first_seen is not None and not (m.running or m.waiting) and m.value(e2e) > base:
+                self.last_done = self.last_done or now
+            elif m.running or m.waiting:
+                self.last_done = None
 
     def finish(self) -> dict:
         self.stop.set()
@@ -80,12 +92,17 @@ class ServerLoad(threading.Thread):
         out = {"running_avg": round(statistics.fmean(r for r, _ in self.samples), 2) if self.samples else 0.0,
                "running_avg_while_busy": round(statistics.fmean(busy), 2) if busy else 0.0,
                "waiting_avg": round(statistics.fmean(w for _, w in self.samples), 2) if self.samples else 0.0,
-               "busy_s": round(len(busy) * self.every_s, 1)}
+               "busy_s": round(len(busy) * self.every_s, 1),
+               # from the tool's start to its first request on the server, and from its last one to its exit
+               "start_to_first_request_s": None if self.first_seen is None else round(self.first_seen, 2),
+               "serving_s": None if None in (self.first_seen, self.last_done)
+               else round(self.last_done - self.first_seen, 2)}
         for short, name in HISTOGRAMS.items():
             n = after.value(name + "_count") - self.before.value(name + "_count")
             total = after.value(name + "_sum") - self.before.value(name + "_sum")
             out[f"{short}_mean_s"] = round(total / n, 3) if n else None
-        out["requests"] = int(after.value(HISTOGRAMS["e2e"] + "_count") - self.before.value(HISTOGRAMS["e2e"] + "_count"))
+        e2e = HISTOGRAMS["e2e"] + "_count"
+        out["requests"] = int(after.value(e2e) - self.before.value(e2e))
         return out
 
 
@@ -101,6 +118,8 @@ def measured(fn, url: str, server_pgid: int, *a):
     finally:
         server = sampler.finish()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if server["serving_s"] is not None:
+        server["last_request_to_exit_s"] = round(wall - server["start_to_first_request_s"] - server["serving_s"], 2)
     server["cpu_s"] = round(group_cpu_seconds(server_pgid) - server_cpu, 2)
     client_cpu = (after.ru_utime - child.ru_utime) + (after.ru_stime - child.ru_stime)
     return {"wall_s": round(wall, 2), "finished": finished, "rows": rows, "loadavg_1m": round(load, 2),
@@ -184,16 +203,21 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     r = measured(run_theirs, url, server.pid, work, verifier, url, args, extras, rep)
                 runs[tool].append(r)
-                log.info("%-6s rep %d: %.1f s, %d written, load %.1f, server running avg %.1f (busy %.1f), "
-                         "e2e %.2f s, CPU s: server %.1f, client %.1f", tool, rep, r["wall_s"], r["finished"],
-                         r["loadavg_1m"], r["server"]["running_avg"], r["server"]["running_avg_while_busy"],
-                         r["server"]["e2e_mean_s"] or 0, r["server"]["cpu_s"], r["client_cpu_s"])
+                log.info("%-6s rep %d: %.1f s (first request after %s s, serving %s s), %d written, load %.1f, "
+                         "server running avg %.1f (busy %.1f), e2e %.2f s, CPU s: server %.1f, client %.1f", tool,
+                         rep, r["wall_s"], r["server"]["start_to_first_request_s"], r["server"]["serving_s"],
+                         r["finished"], r["loadavg_1m"], r["server"]["running_avg"],
+                         r["server"]["running_avg_while_busy"], r["server"]["e2e_mean_s"] or 0, r["server"]["cpu_s"],
+                         r["client_cpu_s"])
     med = {t: statistics.median(r["wall_s"] for r in rs) for t, rs in runs.items()}
     result = {
         "prompts": args.prompts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "median_wall_s": med,
         "ratio_ours_over_theirs": round(med["ours"] / med["theirs"], 3),
         "running_avg_median": {t: statistics.median(r["server"]["running_avg"] for r in rs) for t, rs in runs.items()},
+        "serving_s_median": {t: statistics.median(r["server"]["serving_s"] or 0 for r in rs) for t, rs in runs.items()},
+        "start_to_first_request_s_median": {t: statistics.median(r["server"]["start_to_first_request_s"] or 0
+                                                                  for r in rs) for t, rs in runs.items()},
         "running_avg_while_busy_median": {t: statistics.median(r["server"]["running_avg_while_busy"] for r in rs)
                                           for t, rs in runs.items()},
         "server_cpu_s_median": {t: statistics.median(r["server"]["cpu_s"] for r in rs) for t, rs in runs.items()},
