@@ -103,6 +103,10 @@ class ServerLoad(threading.Thread):
             out[f"{short}_mean_s"] = round(total / n, 3) if n else None
         e2e = HISTOGRAMS["e2e"] + "_count"
         out["requests"] = int(after.value(e2e) - self.before.value(e2e))
+        # Little's law over the serving window: how many of the tool's requests the engine held on average (the
+        # gauges above are sampled, this one is exact given the window)
+        out["engine_in_flight_avg"] = (round(out["requests"] * out["e2e_mean_s"] / out["serving_s"], 1)
+                                       if out["serving_s"] and out["e2e_mean_s"] else None)
         return out
 
 
@@ -133,6 +137,8 @@ def run_ours(work: Path, verifier: Path, url: str, args, extras: dict, meta: dic
     script = "bench/timeline_01b.py" if args.timeline else "01b_generate_synthetic.py"
     timeline = work / "timeline.json"
     env = {**os.environ, "EAGLE3PIPE_TIMELINE": str(timeline)} if args.timeline else None
+    if args.timeline and args.no_gc_freeze:
+        env["EAGLE3PIPE_NO_GC_FREEZE"] = "1"
     cmd = [sys.executable, str(REPO / script), "--data-dir", str(data_dir), "--verifier",
            str(verifier), "--vllm-url", url, "--think-token-id", str(meta["think_token_id"]), "--response-token-id",
            str(meta["response_token_id"]), "--concurrency", str(args.concurrency), "--max-completion-tokens",
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reasoning-tokens", type=int, default=16, help="thinking_token_budget: </think> forced here")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeline", action="store_true", help="time ours request by request (bench/timeline_01b.py)")
+    p.add_argument("--no-gc-freeze", action="store_true", help="with --timeline: ours without its gc.freeze()")
     p.add_argument("--work-dir", default="", help="folder for the toy, prompts and outputs (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("server up in %.0f s at %s", server.start_seconds, server.url)
         url = server.url
         # warm-up of both: first requests on a fresh server, and each tool's first start, are slower
-        warm = argparse.Namespace(**{**vars(args), "questions": args.questions[:32], "timeline": False})
+        warm = argparse.Namespace(**{**vars(args), "questions": args.questions[:32], "timeline": False,
+                                     "no_gc_freeze": False})
         run_ours(work, verifier, url, warm, extras, meta)
         run_theirs(work, verifier, url, warm, extras, -1)
         runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
@@ -203,10 +211,11 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     r = measured(run_theirs, url, server.pid, work, verifier, url, args, extras, rep)
                 runs[tool].append(r)
-                log.info("%-6s rep %d: %.1f s (first request after %s s, serving %s s), %d written, load %.1f, "
-                         "server running avg %.1f (busy %.1f), e2e %.2f s, CPU s: server %.1f, client %.1f", tool,
-                         rep, r["wall_s"], r["server"]["start_to_first_request_s"], r["server"]["serving_s"],
-                         r["finished"], r["loadavg_1m"], r["server"]["running_avg"],
+                log.info("%-6s rep %d: %.1f s (first request after %s s, serving %s s, engine held %s), %d "
+                         "written, load %.1f, server running avg %.1f (busy %.1f), e2e %.2f s, CPU s: server %.1f, "
+                         "client %.1f", tool, rep, r["wall_s"], r["server"]["start_to_first_request_s"],
+                         r["server"]["serving_s"], r["server"]["engine_in_flight_avg"], r["finished"],
+                         r["loadavg_1m"], r["server"]["running_avg"],
                          r["server"]["running_avg_while_busy"], r["server"]["e2e_mean_s"] or 0, r["server"]["cpu_s"],
                          r["client_cpu_s"])
     med = {t: statistics.median(r["wall_s"] for r in rs) for t, rs in runs.items()}
@@ -216,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_ours_over_theirs": round(med["ours"] / med["theirs"], 3),
         "running_avg_median": {t: statistics.median(r["server"]["running_avg"] for r in rs) for t, rs in runs.items()},
         "serving_s_median": {t: statistics.median(r["server"]["serving_s"] or 0 for r in rs) for t, rs in runs.items()},
+        "engine_in_flight_avg_median": {t: statistics.median(r["server"]["engine_in_flight_avg"] or 0 for r in rs)
+                                        for t, rs in runs.items()},
         "start_to_first_request_s_median": {t: statistics.median(r["server"]["start_to_first_request_s"] or 0
                                                                   for r in rs) for t, rs in runs.items()},
         "running_avg_while_busy_median": {t: statistics.median(r["server"]["running_avg_while_busy"] for r in rs)

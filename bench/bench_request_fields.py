@@ -8,7 +8,9 @@ with each body variant, the variants alternating round by round. Per run: wall s
 - ``ours``: 01b's body: ``max_completion_tokens``, ``return_token_ids``, ``spaces_between_special_tokens: false``,
   ``chat_template_kwargs: {thinking: true}``;
 - ``theirs``: speculators' ``regenerate-responses`` body: ``max_tokens``, ``return_token_ids``;
-- ``ours_no_spaces_flag``, ``ours_no_template_kwargs``: ours less one field.
+- ``ours_no_spaces_flag``, ``ours_no_template_kwargs``: ours less one field;
+- any of these with ``_via_openai_client``: sent through the openai client 01b uses (same low-level post), to
+  separate the client from the body.
 
 Usage:
     .venv/bin/python bench/bench_request_fields.py --prompts 200 --concurrency 32 --max-tokens 64 --repeats 3
@@ -34,10 +36,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_generate import HISTOGRAMS, sampling_extras  # noqa: E402
-from eagle3pipe.server import VllmServer, group_cpu_seconds, read_metrics  # noqa: E402
+from eagle3pipe.server import VllmServer, group_cpu_seconds, make_async_client, read_metrics  # noqa: E402
 from eagle3pipe.toy import build_toy_verifier  # noqa: E402
 
 log = logging.getLogger("bench_request_fields")
+OPENAI_SUFFIX = "_via_openai_client"
 
 
 def bodies(model: str, max_tokens: int, extras: dict) -> dict[str, dict]:
@@ -50,23 +53,38 @@ def bodies(model: str, max_tokens: int, extras: dict) -> dict[str, dict]:
     return {"ours": ours, "theirs": theirs, "ours_no_spaces_flag": no_spaces, "ours_no_template_kwargs": no_kwargs}
 
 
-async def send_all(url: str, body: dict, prompts: list[str], concurrency: int) -> None:
+async def send_all(url: str, body: dict, prompts: list[str], concurrency: int, via_openai: bool = False) -> None:
+    """Send every prompt with ``body``, ``concurrency`` at a time: a plain httpx2 client, or (``via_openai``) the
+    openai client 01b uses, through the same low-level post 01b makes."""
     queue = list(reversed(prompts))
-    async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=concurrency + 8)) as http:
-        async def worker() -> None:
-            while queue:
-                prompt = queue.pop()
-                r = await http.post(f"{url}/v1/chat/completions",
-                                    json={**body, "messages": [{"role": "user", "content": prompt}]})
-                r.raise_for_status()
-                json.loads(r.content)
+    if via_openai:
+        client = make_async_client(url, 600, max_connections=concurrency + 8)
 
+        async def post(payload: dict) -> bytes:
+            return (await client.post("/chat/completions", cast_to=httpx2.Response, body=payload,
+                                      options={"timeout": 600})).content
+    else:
+        client = httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=concurrency + 8))
+
+        async def post(payload: dict) -> bytes:
+            r = await client.post(f"{url}/v1/chat/completions", json=payload)
+            r.raise_for_status()
+            return r.content
+
+    async def worker() -> None:
+        while queue:
+            prompt = queue.pop()
+            json.loads(await post({**body, "messages": [{"role": "user", "content": prompt}]}))
+
+    try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await (client.close() if via_openai else client.aclose())
 
 
-def one_run(server, body: dict, prompts: list[str], concurrency: int) -> dict:
+def one_run(server, body: dict, prompts: list[str], concurrency: int, via_openai: bool = False) -> dict:
     before, cpu0, t0 = read_metrics(server.url), group_cpu_seconds(server.pid), time.perf_counter()
-    asyncio.run(send_all(server.url, body, prompts, concurrency))
+    asyncio.run(send_all(server.url, body, prompts, concurrency, via_openai))
     wall, cpu = time.perf_counter() - t0, group_cpu_seconds(server.pid) - cpu0
     after = read_metrics(server.url)
     n = after.value(HISTOGRAMS["e2e"] + "_count") - before.value(HISTOGRAMS["e2e"] + "_count")
@@ -83,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reasoning-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work-dir", default="")
+    p.add_argument("--variants", nargs="+", default=["ours", "theirs", "ours_no_spaces_flag",
+                                                     "ours_no_template_kwargs"],
+                   help=f"bodies to compare; a name ending in {OPENAI_SUFFIX} sends that body through 01b's client")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per /metrics scrape otherwise
@@ -93,11 +114,13 @@ def main(argv: list[str] | None = None) -> None:
                     log_file=work / "vllm.log") as server:
         variants = bodies(str(verifier), args.max_tokens, sampling_extras(args.reasoning_tokens))
         one_run(server, variants["ours"], prompts[:32], args.concurrency)  # warm-up
-        runs: dict[str, list[dict]] = {k: [] for k in variants}
-        names = list(variants)
+        names = [k for k in variants if k in args.variants] + [
+            v for v in args.variants if v.endswith(OPENAI_SUFFIX)]
+        runs: dict[str, list[dict]] = {k: [] for k in names}
         for rep in range(args.repeats):
             for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotate who goes first
-                runs[name].append(one_run(server, variants[name], prompts, args.concurrency))
+                body = variants[name.removesuffix(OPENAI_SUFFIX)]
+                runs[name].append(one_run(server, body, prompts, args.concurrency, name.endswith(OPENAI_SUFFIX)))
                 log.info("%-24s rep %d: %s", name, rep, runs[name][-1])
     result = {"prompts": args.prompts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "median": {k: {m: statistics.median(r[m] for r in rs) for m in ("wall_s", "server_cpu_s", "e2e_mean_s")}

@@ -2,14 +2,16 @@
 
 Runs ``01b_generate_synthetic.py``'s entry point with ``Generator``'s steps wrapped: per request the time it was
 sent, its reply read (status, headers and body), parsed, post-processed and written; and the event loop's lag
-(how late a 10 ms sleep wakes). Writes a summary JSON to ``$EAGLE3PIPE_TIMELINE`` at exit. Usage: as
-01b_generate_synthetic.py, with EAGLE3PIPE_TIMELINE set.
+(how late a 10 ms sleep wakes) and the garbage collector's pauses. Writes a summary JSON to
+``$EAGLE3PIPE_TIMELINE`` at exit. Usage: as 01b_generate_synthetic.py, with EAGLE3PIPE_TIMELINE set;
+EAGLE3PIPE_NO_GC_FREEZE=1 runs 01b without its gc.freeze() (to measure what it saves).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import json
 import os
 import statistics
@@ -26,6 +28,15 @@ from eagle3pipe.generate import run_generate  # noqa: E402
 
 events: list[dict] = []
 lags: list[float] = []
+gc_pauses: list[tuple[int, float]] = []  # (generation, seconds) of every collection during the run
+_gc_started = [0.0]
+
+
+def on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        gc_pauses.append((info["generation"], time.perf_counter() - _gc_started[0]))
 t_start = time.monotonic()
 
 _ask, _finish, _run = gr.Generator._ask, gr.Generator._finish, gr.Generator.run
@@ -56,9 +67,11 @@ async def timed_run(self, todo):
             lags.append(time.monotonic() - t - 0.01)
 
     task = asyncio.create_task(lag())
+    gc.callbacks.append(on_gc)
     try:
         await _run(self, todo)
     finally:
+        gc.callbacks.remove(on_gc)
         task.cancel()
 
 
@@ -86,6 +99,8 @@ def summary() -> dict:
         "postprocess_write_s": {"median": pct(finish, 0.5), "p99": pct(finish, 0.99), "sum": round(sum(finish), 3)},
         "first_32_sends_span_s": round(sends[min(31, len(sends) - 1)] - sends[0], 3),
         "loop_lag_s": {"median": pct(lags, 0.5), "p99": pct(lags, 0.99), "max": pct(lags, 1.0)},
+        "gc": {f"gen{g}": {"count": len(ds), "total_s": round(sum(ds), 3), "max_s": round(max(ds, default=0.0), 3)}
+               for g in (0, 1, 2) for ds in [[d for x, d in gc_pauses if x == g]]},
     }
 
 
@@ -97,6 +112,8 @@ def dump() -> None:
 
 if __name__ == "__main__":
     gr.Generator._ask, gr.Generator._finish, gr.Generator.run = timed_ask, timed_finish, timed_run
+    if os.environ.get("EAGLE3PIPE_NO_GC_FREEZE"):
+        gr.gc.freeze = lambda: None
     atexit.register(dump)
     code = run_stage("generate", "01b_generate", run_generate, __doc__)
     dump()
