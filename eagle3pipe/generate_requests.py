@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import json
 import logging
 import math
@@ -417,10 +416,6 @@ class Generator:
         queue: asyncio.Queue = asyncio.Queue()
         for q in todo:
             queue.put_nowait(q)
-        # Everything alive now (transformers, torch and the tokenizer: ~400k objects) outlives the run: keep it
-        # out of the collector's scans while requests are out. A full collection over it took 0.6-0.7 s here, and
-        # while it runs no reply is read and no request sent (BENCHMARKS.md); unfrozen again after the run.
-        gc.freeze()
 
         async def worker() -> None:
             while True:
@@ -440,7 +435,6 @@ class Generator:
             await asyncio.gather(*workers, monitor, return_exceptions=True)
             for c in clients:
                 await c.close()
-            gc.unfreeze()
 
 
 async def _served_model(client, url: str) -> str:
