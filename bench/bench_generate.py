@@ -137,8 +137,6 @@ def run_ours(work: Path, verifier: Path, url: str, args, extras: dict, meta: dic
     script = "bench/timeline_01b.py" if args.timeline else "01b_generate_synthetic.py"
     timeline = work / "timeline.json"
     env = {**os.environ, "EAGLE3PIPE_TIMELINE": str(timeline)} if args.timeline else None
-    if args.timeline and args.no_gc_freeze:
-        env["EAGLE3PIPE_NO_GC_FREEZE"] = "1"
     cmd = [sys.executable, str(REPO / script), "--data-dir", str(data_dir), "--verifier",
            str(verifier), "--vllm-url", url, "--think-token-id", str(meta["think_token_id"]), "--response-token-id",
            str(meta["response_token_id"]), "--concurrency", str(args.concurrency), "--max-completion-tokens",
@@ -181,7 +179,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reasoning-tokens", type=int, default=16, help="thinking_token_budget: </think> forced here")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeline", action="store_true", help="time ours request by request (bench/timeline_01b.py)")
-    p.add_argument("--no-gc-freeze", action="store_true", help="with --timeline: ours without its gc.freeze()")
     p.add_argument("--work-dir", default="", help="folder for the toy, prompts and outputs (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -198,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("server up in %.0f s at %s", server.start_seconds, server.url)
         url = server.url
         # warm-up of both: first requests on a fresh server, and each tool's first start, are slower
-        warm = argparse.Namespace(**{**vars(args), "questions": args.questions[:32], "timeline": False,
-                                     "no_gc_freeze": False})
+        warm = argparse.Namespace(**{**vars(args), "questions": args.questions[:32], "timeline": False})
         run_ours(work, verifier, url, warm, extras, meta)
         run_theirs(work, verifier, url, warm, extras, -1)
         runs: dict[str, list[dict]] = {"ours": [], "theirs": []}

@@ -3,8 +3,7 @@
 Runs ``01b_generate_synthetic.py``'s entry point with ``Generator``'s steps wrapped: per request the time it was
 sent, its reply read (status, headers and body), parsed, post-processed and written; and the event loop's lag
 (how late a 10 ms sleep wakes) and the garbage collector's pauses. Writes a summary JSON to
-``$EAGLE3PIPE_TIMELINE`` at exit. Usage: as 01b_generate_synthetic.py, with EAGLE3PIPE_TIMELINE set;
-EAGLE3PIPE_NO_GC_FREEZE=1 runs 01b without its gc.freeze() (to measure what it saves).
+``$EAGLE3PIPE_TIMELINE`` at exit. Usage: as 01b_generate_synthetic.py, with EAGLE3PIPE_TIMELINE set.
 """
 
 from __future__ import annotations
@@ -112,8 +111,6 @@ def dump() -> None:
 
 if __name__ == "__main__":
     gr.Generator._ask, gr.Generator._finish, gr.Generator.run = timed_ask, timed_finish, timed_run
-    if os.environ.get("EAGLE3PIPE_NO_GC_FREEZE"):
-        gr.gc.freeze = lambda: None
     atexit.register(dump)
     code = run_stage("generate", "01b_generate", run_generate, __doc__)
     dump()
