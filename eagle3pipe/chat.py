@@ -60,12 +60,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
         raise FileNotFoundError(f"tokenizer folder not found: {path} (set --verifier or --tokenizer)")
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
-            raise
-        raise ChatError(f"the tokenizer at {path} is remote code (auto_map in tokenizer_config.json, like "
-                        "Kimi-K2.5's tiktoken tokenizer): set shared.trust_remote_code: true "
-                        "(flag --trust-remote-code) to load it as the model's authors wrote it") from None
+    except Exception as e:
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise ChatError(f"the tokenizer at {path} is remote code (auto_map in tokenizer_config.json, like "
+                            "Kimi-K2.5's tiktoken tokenizer): set shared.trust_remote_code: true "
+                            "(flag --trust-remote-code) to load it as the model's authors wrote it") from None
+        # Whatever the tokenizer's files or its remote code raise (a KeyError from a missing special, a corrupt
+        # vocabulary file, an import error): one line naming the folder, for the stage's `error:` line.
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ChatError(f"the tokenizer at {path} failed to load: {reason}") from e
     if (path / "tiktoken.model").exists() and tok.is_fast and not (path / "tokenizer.json").exists():
         # transformers converted tiktoken.model itself, with a generic split regex: ids differ from the model's
         # on code and CJK text, silently. Only the folder's own tokenizer code splits text the model's way.

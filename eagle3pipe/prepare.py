@@ -135,8 +135,11 @@ def run_prepare(cfg: PipelineConfig) -> dict:
             if cap and counts["questions"] >= cap:
                 break
             counts["rows_read"] += 1
-            reason, row_id = _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len,
-                                          cfg.prepare.truncation, rows, questions, counts)
+            try:
+                reason, row_id = _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len,
+                                              cfg.prepare.truncation, rows, questions, counts, cfg.shared.vocab_size)
+            except _OutOfVocab as e:
+                raise StageError(f"{spec} row {row_number} (id {e.row_id}): {e}; nothing was written") from None
             if reason:
                 dropped.append(DroppedRow(source=source, row=row_number, reason=reason, id=row_id).to_json())
                 counts["dropped"] += 1
@@ -161,9 +164,22 @@ def run_prepare(cfg: PipelineConfig) -> dict:
     return counts
 
 
+class _OutOfVocab(Exception):
+    """A row holds an id the verifier has no embedding row for; stops the stage (see _prepare_one)."""
+
+    def __init__(self, message: str, row_id: str):
+        super().__init__(message)
+        self.row_id = row_id
+
+
 def _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len, truncation, rows, questions,
-                 counts) -> tuple[str, str]:
-    """Process one dataset row; append its outputs. Returns (drop reason or "", row id or "")."""
+                 counts, vocab_size) -> tuple[str, str]:
+    """Process one dataset row; append its outputs. Returns (drop reason or "", row id or "").
+
+    An id >= ``vocab_size`` stops the stage instead of dropping the row: it comes from the tokenizer and config
+    pair (a tokenizer that appends specials past the model's rows, or a wrong shared.vocab_size), not from the row,
+    so every row with that token would go (all tool rows, say) while the stage "succeeds"; nothing is written and a
+    rerun after the fix loses nothing."""
     if example is None:
         return f"malformed: {unreadable}", ""
     try:
@@ -180,6 +196,13 @@ def _prepare_one(tokenizer, example, unreadable, source, seen, thinking, max_len
             input_ids, loss_mask = tokenize_with_loss_mask(tokenizer, messages, thinking=thinking, tools=tools)
         except ChatError as e:
             return f"unrenderable: {e}", row_id
+        beyond = [t for t in input_ids if t >= vocab_size]
+        if beyond:
+            token = tokenizer.convert_ids_to_tokens(beyond[0])
+            raise _OutOfVocab(f"token id {beyond[0]} ({token!r}) is >= shared.vocab_size {vocab_size}, the verifier's "
+                              f"embedding rows ({len(beyond)} of the row's {len(input_ids)} ids are): the tokenizer "
+                              "gives ids the model does not have; fix the tokenizer (name its specials in the reserved "
+                              "block) or shared.vocab_size (--vocab-size)", row_id)
         if len(input_ids) > max_len:
             if truncation == "drop":
                 return f"too long: {len(input_ids)} tokens > max_seq_len {max_len} (truncation: drop)", row_id

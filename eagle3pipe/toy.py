@@ -78,8 +78,9 @@ CHAT_TEMPLATE = (
 # tokenizer. The messages up to and including the last assistant turn without tool calls are history: their
 # assistant turns render `<think></think>` + content; later assistant turns keep `<think>` reasoning `</think>`
 # (unless thinking is off); `preserve_thinking` keeps reasoning everywhere. Tool calls follow the content; tool
-# results are system turns named "tool"; a `tools` list is declared first as compact JSON; content may be a list
-# of text/image parts; a message's `name` replaces its role name. No default system turn.
+# results are system turns named "tool"; a `tools` list is declared first, as `tools_ts_str` (the TypeScript-style
+# text the tokenizer's apply_chat_template passes, as K2.5's does) or else as compact JSON; content may be a list of
+# text/image parts; a message's `name` replaces its role name. No default system turn.
 K25_CHAT_TEMPLATE = (
     "{%- macro render_content(m) -%}"
     "{%- if m['content'] is string -%}{{ m['content'] }}"
@@ -91,8 +92,9 @@ K25_CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_plain=-1) -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}"
     "{%- set ns.last_plain = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
-    "{%- endif -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{%- if tools_ts_str -%}{{ tools_ts_str }}{%- else -%}{{ tools | tojson(separators=(',', ':')) }}{%- endif -%}"
+    "<|im_end|>{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'system' -%}<|im_system|>{{ m.get('name') or 'system' }}<|im_middle|>"
     "{{ render_content(m) }}<|im_end|>"
@@ -168,17 +170,21 @@ def build_tokenizer(out_dir: Path) -> None:
 
 
 # The release-shaped tokenizer (kimi_k25 flavour): laid out like Kimi-K2.5's, whose BPE has 163584 ranks followed by
-# a reserved block of 256 special tokens. Named specials sit at the release's offsets into that block ([BOS] 163584 =
-# +0, <|im_end|> 163586 = +2, <think> 163606 = +22, </think> 163607 = +23, [PAD] 163839 = +255, ...).
+# a reserved block of 256 special tokens. Every special the release names sits at the release's offset into that
+# block ([BOS] 163584 = +0, <|im_end|> 163586 = +2, <|start_header_id|> 163590 = +6, [EOT] 163593 = +9, <think>
+# 163606 = +22, [UNK] 163838 = +254, [PAD] 163839 = +255, ...); the rest are <|reserved_token_{id}|>, as there.
 KIMI_BPE_RANKS = 1024  # the toy's BPE ranks (256 bytes + 768 merges); its specials start here
 KIMI_VOCAB_SIZE = KIMI_BPE_RANKS + 256  # = model vocab rows, as in the release (163584 + 256 = 163840)
 KIMI_SPECIAL_OFFSETS = {
-    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4, "<|im_system|>": 10,
+    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4, "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7, "[EOT]": 9, "<|im_system|>": 10,
     "<|tool_calls_section_begin|>": 11, "<|tool_calls_section_end|>": 12, "<|tool_call_begin|>": 13,
     "<|tool_call_argument_begin|>": 14, "<|tool_call_end|>": 15, "<|im_middle|>": 17, "<|media_begin|>": 18,
-    "<|media_content|>": 19, "<|media_end|>": 20, "<|media_pad|>": 21, "<think>": 22, "</think>": 23, "[PAD]": 255,
+    "<|media_content|>": 19, "<|media_end|>": 20, "<|media_pad|>": 21, "<think>": 22, "</think>": 23,
+    "[UNK]": 254, "[PAD]": 255,
 }
-KIMI_TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "chat_template.jinja")
+KIMI_TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "tool_declaration_ts.py",
+                        "chat_template.jinja")
 
 
 def _kimi_corpus() -> list[str]:
@@ -222,8 +228,9 @@ def _train_byte_bpe_ranks(corpus: list[str], num_ranks: int) -> dict[bytes, int]
 
 def build_kimi_tokenizer(out_dir: Path) -> None:
     """The release's tokenizer layout: ``tiktoken.model`` (base64 token + rank per line), our remote-code
-    ``tokenization_kimi.py`` named in ``tokenizer_config.json``'s ``auto_map`` with all 256 reserved specials in
-    ``added_tokens_decoder``, ``chat_template.jinja`` with K2.5's semantics, and no ``tokenizer.json``."""
+    ``tokenization_kimi.py`` (with its ``tool_declaration_ts.py``) named in ``tokenizer_config.json``'s ``auto_map``
+    with all 256 reserved specials in ``added_tokens_decoder`` and ``unk_token`` ``[UNK]``, ``chat_template.jinja``
+    with K2.5's semantics, and no ``tokenizer.json``."""
     import base64
     import shutil
 
@@ -239,12 +246,13 @@ def build_kimi_tokenizer(out_dir: Path) -> None:
         "added_tokens_decoder": added,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "tokenizer_class": "TikTokenTokenizer",
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": None,
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1048576,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copyfile(Path(__file__).with_name("tokenization_kimi.py"), out_dir / "tokenization_kimi.py")
+    for code in ("tokenization_kimi.py", "tool_declaration_ts.py"):  # the tokenizer and the module it imports
+        shutil.copyfile(Path(__file__).with_name(code), out_dir / code)
     (out_dir / "chat_template.jinja").write_text(K25_CHAT_TEMPLATE)
 
 

@@ -164,6 +164,9 @@ def test_tokenizer_without_template_is_refused(tmp_path, toy_llama):
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+# TOOLS as the release's tokenizer declares them (written by hand: `city` is optional, hence `city?`).
+TOOLS_TS = ("# Tools\n\n## functions\nnamespace functions {\n// Weather by city\ntype get_weather = (_: {\n"
+            "  city?: string\n}) => any;\n}\n")
 TOOL_ROW = {
     "messages": [
         {"role": "system", "content": "You can call tools."},
@@ -219,8 +222,8 @@ def test_release_tokenizer_masks_cover_exactly_what_the_assistant_generates(ktok
         if m["role"] in ("user", "system", "tool"):
             assert m["content"] in unmasked
     assert unmasked.count("<|im_assistant|>assistant<|im_middle|>") == len(turns), "every role header unsupervised"
-    if tools:
-        assert unmasked.startswith("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":")))
+    if tools:  # declared TypeScript-style, as the release's tokenizer hands K2.5's template tools_ts_str
+        assert unmasked.startswith("<|im_system|>tool_declare<|im_middle|>" + TOOLS_TS + "<|im_end|>")
 
 
 def test_assistant_first_turn_header_is_not_supervised(ktok, tok):
@@ -296,3 +299,15 @@ def test_rebuilt_completion_thinking_off_and_empty_answer(ktok, toy_kimi_meta):
     assert ktok.decode(empty) == "hmm</think><|im_end|>"
     # cut inside the reasoning: no </think>
     assert ids.response not in rebuild_completion_ids(ktok, ids, "hmm", None, finished=False, thinking=True)
+
+
+def test_any_tokenizer_load_failure_is_one_chat_error_naming_the_folder(toy_kimi, tmp_path):
+    """A remote-code tokenizer can raise anything (a KeyError, a tiktoken parse error); the stage shows one line."""
+    import shutil
+
+    for name in ("tokenizer_config.json", "tokenization_kimi.py", "tool_declaration_ts.py", "chat_template.jinja"):
+        shutil.copy(toy_kimi / name, tmp_path / name)
+    (tmp_path / "tiktoken.model").write_text("not base64 at all\n")
+    with pytest.raises(ChatError, match=f"the tokenizer at {tmp_path} failed to load: ") as e:
+        load_tokenizer(tmp_path, trust_remote_code=True)
+    assert "\n" not in str(e.value)

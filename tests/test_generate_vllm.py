@@ -284,7 +284,8 @@ def test_kimi_k25_toy_served_and_captured(tmp_path, vllm_server_k25, toy_kimi, t
     tokenizer = load_tokenizer(toy_kimi, trust_remote_code=True)
     responses = _check_capture(tmp_path, toy_kimi, questions, tokenizer, toy_kimi_meta["think_token_id"], RELEASE)
     prompt = tokenizer.decode(responses["tools"].prompt_token_ids)
-    assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>[{")
+    # the server ran our tokenizer's apply_chat_template too: tools declared TypeScript-style (tools_ts_str)
+    assert prompt.startswith("<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {")
     assert '<|tool_call_argument_begin|>{"city": "北京"}<|tool_call_end|>' in prompt
     assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\n3 C<|im_end|>" in prompt
 

@@ -186,3 +186,64 @@ def test_release_shaped_toy_through_the_cli(tmp_path, toy_kimi, toy_kimi_meta, t
         assert questions[rid].messages == question_messages(messages)
     tool_q = questions[conversation_id("chats", normalize_messages(TOOL_ROW), normalize_tools(TOOL_ROW))]
     assert [m["role"] for m in tool_q.messages] == ["system", "user", "assistant", "tool", "tool"]
+
+
+def _kimi_copy(toy_kimi, folder, **config_changes):
+    """The release-shaped toy with tokenizer_config.json keys changed (weights left out: 01 reads the tokenizer)."""
+    import shutil
+
+    shutil.copytree(toy_kimi, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    for key, value in config_changes.items():
+        cfg[key] = value(cfg[key]) if callable(value) else value
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _kimi_args(folder, meta, data_dir, src, *more):
+    return ["--config", ROOT / "configs/kimi_k25.yaml", "--verifier", folder, "--think-token-id",
+            meta["think_token_id"], "--response-token-id", meta["response_token_id"], "--data-dir", data_dir,
+            "--dataset", src, "--max-seq-len", 1024, *more]
+
+
+def test_a_tokenizer_that_fails_to_load_is_one_error_line(tmp_path, toy_kimi, toy_kimi_meta):
+    """The release's class raised a bare KeyError: 'None' on the old toy (unk_token None); 01 says it in one line."""
+    folder = _kimi_copy(toy_kimi, tmp_path / "no_unk", unk_token=None)
+    src = tmp_path / "chats.jsonl"
+    src.write_text(json.dumps(OPENAI_ROW) + "\n")
+    r = _run_script(*_kimi_args(folder, toy_kimi_meta, tmp_path / "d", src))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the tokenizer at {folder} failed to load: ValueError: ")
+    assert "unk_token is None" in last
+
+
+def test_a_row_with_an_id_past_the_models_rows_stops_the_stage(tmp_path, toy_kimi, toy_kimi_meta):
+    """A tokenizer that gives an id past the verifier's embedding rows (here a special added after the reserved
+    block, as the release's class appended the old toy's unnamed specials): 01 stops naming the row and the id and
+    writes nothing, instead of writing the row (which 02/04 would index out of range) or dropping every such row."""
+    vocab = toy_kimi_meta["vocab_size"]
+    extra = {"content": "<|extra|>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+             "special": True}
+    folder = _kimi_copy(toy_kimi, tmp_path / "appended", added_tokens_decoder=lambda d: {**d, str(vocab): extra})
+    src = tmp_path / "chats.jsonl"
+    bad = {"messages": [{"role": "user", "content": "what is <|extra|>?"}, {"role": "assistant", "content": "ok"}]}
+    src.write_text(json.dumps(OPENAI_ROW) + "\n" + json.dumps(bad) + "\n")
+    args = _kimi_args(folder, toy_kimi_meta, tmp_path / "d", src, "--vocab-size", vocab, "--draft-vocab-size", 1000)
+    r = _run_script(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    rid = conversation_id("chats", normalize_messages(bad))
+    ids, _ = tokenize_with_loss_mask(load_tokenizer(folder, trust_remote_code=True), normalize_messages(bad),
+                                     thinking=True)
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: {src} row 1 (id {rid}): token id {vocab} ('<|extra|>') is >= shared.vocab_size {vocab}, the "
+        f"verifier's embedding rows (1 of the row's {len(ids)} ids are): the tokenizer gives ids the model does not "
+        "have; fix the tokenizer (name its specials in the reserved block) or shared.vocab_size (--vocab-size); "
+        "nothing was written")
+    assert not (tmp_path / "d/prepared/data.jsonl").exists()
+    # the same rows fit a verifier with one more row
+    r = _run_script(*_kimi_args(folder, toy_kimi_meta, tmp_path / "d2", src, "--vocab-size", vocab + 1,
+                                "--draft-vocab-size", 1000))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(load_training_rows(tmp_path / "d2/prepared/data.jsonl"))
+    assert len(rows) == 2 and max(max(row.input_ids) for row in rows) == vocab

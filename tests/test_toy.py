@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3ForCausalLM
 
 from eagle3pipe.chat import load_tokenizer
-from eagle3pipe.toy import SPECIAL_TOKENS, build_toy_verifier
+from eagle3pipe.toy import K25_CHAT_TEMPLATE, SPECIAL_TOKENS, build_toy_verifier
 from eagle3pipe.verifier import load_text_config
 
 
@@ -71,3 +71,29 @@ def test_kimi_k25_layout_nested_config_and_language_model_weights(toy_kimi, toy_
     ref_sd = DeepseekV3ForCausalLM.from_pretrained(plain_dir).state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref_sd[k]), k
+
+
+def test_kimi_k25_toy_names_the_release_specials_and_its_template_declares_tools_ts_str(toy_kimi):
+    """The specials the release names sit at its offsets (so the release's own tokenizer class, whose default
+    additional specials are the headers and [EOT], adds no id past the model's rows), unk_token is [UNK]; and the
+    template declares tools with ``tools_ts_str`` when it is given, as K2.5's does, else as compact JSON."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    cfg = json.loads((toy_kimi / "tokenizer_config.json").read_text())
+    first = min(int(i) for i in cfg["added_tokens_decoder"])
+    named = {a["content"]: int(i) - first for i, a in cfg["added_tokens_decoder"].items()}
+    release_offsets = {"<|start_header_id|>": 6, "<|end_header_id|>": 7, "[EOT]": 9, "[UNK]": 254}  # 163590, ...
+    assert {k: named[k] for k in release_offsets} == release_offsets and cfg["unk_token"] == "[UNK]"
+    assert (toy_kimi / "chat_template.jinja").read_text() == K25_CHAT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+
+    def rendered(**kw):
+        (out,), _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=K25_CHAT_TEMPLATE,
+                                          add_generation_prompt=False, **kw)
+        return out
+
+    turn = "<|im_user|>user<|im_middle|>hi<|im_end|>"
+    assert rendered(tools_ts_str="# Tools TS") == "<|im_system|>tool_declare<|im_middle|># Tools TS<|im_end|>" + turn
+    assert rendered() == ("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":"))
+                          + "<|im_end|>" + turn)
