@@ -15,9 +15,12 @@ One server for the module (module fixture), a few steps per run.
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -33,6 +36,7 @@ from eagle3pipe.vocab import run_vocab
 from test_draft_fixtures import DRAFT_VOCAB, TOY_AUX, TOY_HIDDEN, TOY_VOCAB
 from test_extract import write_rows
 from test_extract_vllm import start_extraction_server
+from test_generate import StubHTTPServer
 
 pytestmark = pytest.mark.integration
 NUM_ROWS = 16
@@ -98,6 +102,82 @@ class SpoolSampler(threading.Thread):
             time.sleep(0.002)
 
 
+class FaultyProxy:
+    """A URL in front of the real server that forwards every request, except: the completions numbered in
+    ``drop_posts`` (from 1) and, once ``down_after`` completions went through, every request: the connection
+    closes without a reply, as a server that died does (``up()`` brings it back, as a restart does)."""
+
+    def __init__(self, target: str, drop_posts: set[int] = frozenset(), down_after: int | None = None):
+        self.drop_posts, self.down_after, self.posts, self.down = set(drop_posts), down_after, 0, False
+        self.lock = threading.Lock()
+        host, port = urlsplit(target).hostname, urlsplit(target).port
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
+                with proxy.lock:
+                    if method == "POST" and "completions" in self.path:
+                        proxy.posts += 1
+                        if proxy.down_after is not None and proxy.posts > proxy.down_after:
+                            proxy.down = True
+                        drop = proxy.down or proxy.posts in proxy.drop_posts
+                    else:
+                        drop = proxy.down
+                if drop:
+                    self.close_connection = True
+                    return  # no reply: the client sees the connection drop
+                conn = http.client.HTTPConnection(host, port, timeout=120)
+                conn.request(method, self.path, body=body, headers={k: v for k, v in self.headers.items()
+                                                                    if k.lower() not in ("host", "connection")})
+                reply = conn.getresponse()
+                data = reply.read()
+                conn.close()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", reply.getheader("Content-Type", "application/json"))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def up(self) -> None:
+        with self.lock:
+            self.down, self.down_after = False, None
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def online_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
+    write_rows(data_dir, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(data_dir, verifier, urls, extract, data_source="online",
+                   spool_gb=3.5 * BYTES_PER_ROW / 1e9, **train)  # three packed rows and a half
+    run_vocab(cfg)
+    return cfg
+
+
+def trained_once(data_dir: Path) -> None:
+    """Each step logged once, and every row of each epoch trained once (the rows and online records)."""
+    steps = [r["step"] for r in metrics(data_dir, "train")]
+    assert steps == list(range(1, len(steps) + 1))
+    for epoch in range(2):
+        (online,) = [r for r in metrics(data_dir, "online") if r["epoch"] == epoch]
+        assert online["samples_dropped"] == online["samples_open"] == 0
+
+
 @pytest.fixture(scope="module")
 def offline_runs(storage, toy_llama, server):
     """Stage 02 then 04 offline, twice: run a as stage 02 runs by default (4 requests in flight), run b one request
@@ -124,10 +204,8 @@ def test_online_trains_the_offline_steps_within_the_servers_own_noise(storage, t
     wa, wb = weights(a), weights(b)
     weight_noise = max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
-    write_rows(c, NUM_ROWS, seed=7, min_len=8, max_len=48)
-    spool_gb = 3.5 * BYTES_PER_ROW / 1e9  # three packed rows and a half
-    cfg = make_cfg(c, toy_llama, [server.url], data_source="online", spool_gb=spool_gb)
-    run_vocab(cfg)
+    cfg = online_cfg(c, toy_llama, [server.url])
+    spool_gb = cfg.train.spool_gb
     dd = DataDir(c)
     sampler = SpoolSampler(dd.train_spool)
     sampler.start()
@@ -170,3 +248,66 @@ def test_a_spool_smaller_than_a_packed_row_is_refused(storage, toy_llama, server
     with pytest.raises(StageError, match=r"train.spool_gb .* raise --spool-gb to at least"):
         run_train(cfg)
     assert not DataDir(d).final_checkpoint.exists()
+
+
+def test_a_server_that_drops_requests_and_comes_back_loses_no_row(storage, toy_llama, server, offline_runs):
+    """Completions 6-9 get no reply (a server that died and was restarted): retried, every row trained once, the
+    same loss curve as offline (the server repeats itself: measured in the first test)."""
+    proxy = FaultyProxy(server.url, drop_posts={6, 7, 8, 9})
+    try:
+        d = storage / "flaky"
+        cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 6, "retry_backoff_s": 0.05})
+        run_train(cfg)
+    finally:
+        proxy.close()
+    assert proxy.posts > 9
+    trained_once(d)
+    loss_a = [r["loss"] for r in metrics(storage / "a", "train")]
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
+
+
+def test_two_urls_one_stops_for_good_training_goes_on(storage, toy_llama, server, offline_runs):
+    """Two URLs of one trainer; the second stops answering after 5 completions: routed around, nothing lost."""
+    good, dying = FaultyProxy(server.url), FaultyProxy(server.url, down_after=5)
+    try:
+        d = storage / "two"
+        cfg = online_cfg(d, toy_llama, [good.url, dying.url], {"max_retries": 3, "retry_backoff_s": 0.05})
+        run_train(cfg)
+    finally:
+        good.close()
+        dying.close()
+    # the dying one's 6th completion got no reply; every sample it did not write went through the other
+    assert dying.down and dying.posts == 6 and good.posts >= 2 * NUM_ROWS - 5 + 1
+    trained_once(d)
+    loss_a = [r["loss"] for r in metrics(storage / "a", "train")]
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
+
+
+def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
+    """The only server dies in epoch 2: 04 saves a checkpoint at the last finished step and names --resume; the
+    resumed run, the server back, ends with the loss curve and draft of an uninterrupted run."""
+    proxy = FaultyProxy(server.url, down_after=NUM_ROWS + 6)  # the capture check's sample + epoch 1 + 5
+    d = storage / "stop"
+    try:
+        cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
+        with pytest.raises(StageError, match=r"not extracted after 2 attempts.*--max-error-share 0.*Checkpoint .*"
+                                             r"step_\d+.*--resume"):
+            run_train(cfg)
+        dd = DataDir(d)
+        stopped_at = max(r["step"] for r in metrics(d, "train"))
+        assert dd.checkpoint_step(stopped_at).exists() and not dd.final_checkpoint.exists()
+        listed = list(read_jsonl(dd.train_online_errors))
+        assert listed and all(r["reason"].startswith("retryable: ") and r["epoch"] == 1 for r in listed)
+        proxy.up()  # the server is back
+        cfg.train.resume = True
+        run_train(cfg)
+    finally:
+        proxy.close()
+    trained_once(d)
+    a = storage / "a"
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
+                                                                     abs=1e-5)
+    (resumed,) = [r for r in metrics(d, "rows") if r["epoch"] == 1]
+    assert resumed["from_row"] == stopped_at - len([r for r in metrics(a, "train") if r["epoch"] == 0])
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
