@@ -129,6 +129,9 @@ class OnlineBatches:
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
         self.rows_at_once = cfg.train.grad_accum + (device.type == "cuda")
         self.num_states = len(cfg.shared.aux_layer_ids) + 1
+        # before any server starts (K2.5 loads for tens of minutes): full rows; ``epoch`` checks the real ones
+        self.check_budget(hs_bytes_estimate(cfg.train.total_seq_len, 1, self.num_states, cfg.shared.hidden_size,
+                                            cfg.extract.storage_dtype))
         self.lock = threading.Lock()
         self.reserved = self.on_disk = self.high_water = 0
         self.consumed: list[Slot] = []  # handed out, files not yet deleted
@@ -156,9 +159,9 @@ class OnlineBatches:
         return hs_bytes_estimate(sum(lengths[i] for i in samples), len(samples), self.num_states,
                                  self.cfg.shared.hidden_size, self.cfg.extract.storage_dtype)
 
-    def epoch(self, epoch: int, rows: list[list[int]]):
-        """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
-        need = max((self.row_bytes(r) for r in rows), default=0) * self.rows_at_once
+    def check_budget(self, row_bytes: int) -> None:
+        """Refuses a spool share that cannot hold a step's rows of ``row_bytes`` (upper bound) at once."""
+        need = row_bytes * self.rows_at_once
         if need > self.budget:
             raise StageError(
                 f"train.spool_gb {self.cfg.train.spool_gb:g}: this rank's share is {self.budget / 1e9:.3f} GB "
@@ -166,6 +169,10 @@ class OnlineBatches:
                 f"{self.cfg.train.grad_accum}{', and the next row on CUDA' if self.rows_at_once > self.cfg.train.grad_accum else ''}) "
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
+
+    def epoch(self, epoch: int, rows: list[list[int]]):
+        """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
+        self.check_budget(max((self.row_bytes(r) for r in rows), default=0))
         slots = [Slot(epoch, k, list(r), self.dd.train_spool_slot(self.ranks.rank, epoch, k), self.row_bytes(r))
                  for k, r in enumerate(rows)]
         self.epochs.setdefault(epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0, "wait_s": 0.0,

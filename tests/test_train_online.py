@@ -240,10 +240,11 @@ def test_online_trains_the_offline_steps_within_the_servers_own_noise(storage, t
     assert not list(dd.train_spool.rglob("hs_*.safetensors"))  # each step's files deleted after it
 
 
-def test_a_spool_smaller_than_a_packed_row_is_refused(storage, toy_llama, server):
+def test_a_spool_smaller_than_a_packed_row_is_refused_before_any_server(storage, toy_llama):
     d = storage / "small"
     write_rows(d, NUM_ROWS, seed=7, min_len=8, max_len=48)
-    cfg = make_cfg(d, toy_llama, [server.url], data_source="online", spool_gb=0.5 * BYTES_PER_ROW / 1e9)
+    # nothing listens at port 9: the refusal comes before any request
+    cfg = make_cfg(d, toy_llama, ["http://127.0.0.1:9"], data_source="online", spool_gb=0.5 * BYTES_PER_ROW / 1e9)
     run_vocab(cfg)
     with pytest.raises(StageError, match=r"train.spool_gb .* raise --spool-gb to at least"):
         run_train(cfg)
