@@ -510,7 +510,7 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         for _, path in existing:
             shutil.rmtree(path)
         shutil.rmtree(dd.final_checkpoint, ignore_errors=True)
-        for p in (dd.train_metrics, dd.train_curves):
+        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors):
             p.unlink(missing_ok=True)
     return None
 

@@ -312,3 +312,32 @@ def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, 
     assert resumed["from_row"] == stopped_at - len([r for r in metrics(a, "train") if r["epoch"] == 0])
     wa, wd = weights(a), weights(d)
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama, server, offline_runs):
+    """04 online on 2 gloo processes from one server: each rank extracts and trains its own packed rows (the rows
+    record's split), and the run equals one process x grad_accum 2 (the same rows a step; the server repeats itself)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    one = online_cfg(storage / "one", toy_llama, [server.url], grad_accum=2)
+    run_train(one)
+    two = online_cfg(storage / "two_ranks", toy_llama, [server.url])
+    config = storage / "two_ranks.yaml"
+    config.write_text(yaml.safe_dump(two.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(repo / "04_train.py"), "--config", str(config)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for epoch in range(2):
+        (split,) = [r for r in metrics(storage / "two_ranks", "rows") if r["epoch"] == epoch]
+        assert split["samples"] == NUM_ROWS and len(split["rows_per_rank"]) == 2 and min(split["rows_per_rank"]) > 0
+    assert [r["loss"] for r in metrics(storage / "two_ranks", "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "one", "train")], abs=1e-5)
+    trained_once(storage / "two_ranks")
