@@ -818,6 +818,9 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         if metrics_log is not None:
             metrics_log.close()
             metrics_log = None
+        if ranks.distributed:  # a save is a collective the other ranks, mid-step, would never join: torchrun ends them
+            raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
+                             "torchrun command with --resume once a server answers") from None
         save(state)  # the last finished step: nothing of the unfinished one was applied
         raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun 04_train.py "
                          "with the same flags and --resume once a server answers") from None
