@@ -110,6 +110,7 @@ class Slot:
     folder: Path
     reserved: int  # upper bound of its files' bytes
     ready: threading.Event = field(default_factory=threading.Event)
+    repeat: bool = False  # the step's first row again, weight 0 (train.rank_rows' placeholder): not counted
     failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # sample: (reason, open: a transient failure)
     written: int = 0  # bytes of the files written
 
@@ -173,8 +174,8 @@ class OnlineBatches:
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
         self.check_budget(max((self.row_bytes(r) for r in rows), default=0))
-        slots = [Slot(epoch, k, list(r), self.dd.train_spool_slot(self.ranks.rank, epoch, k), self.row_bytes(r))
-                 for k, r in enumerate(rows)]
+        slots = [Slot(epoch, k, list(r), self.dd.train_spool_slot(self.ranks.rank, epoch, k), self.row_bytes(r),
+                      repeat=r in rows[:k]) for k, r in enumerate(rows)]
         self.epochs.setdefault(epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0, "wait_s": 0.0,
                                        "total": len(self.dataset)})
         self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
@@ -191,7 +192,7 @@ class OnlineBatches:
             counts["wait_s"] += time.monotonic() - t0
             if self.error is not None:
                 raise self.error
-            for i, (reason, is_open) in sorted(slot.failed.items()):
+            for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
                 counts["open" if is_open else "dropped"] += 1
                 row = self.dataset.online_rows[i]
                 self.errors_log.write({"epoch": slot.epoch, **DroppedRow(
@@ -205,7 +206,7 @@ class OnlineBatches:
                     f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
                     f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
                     f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
-            counts["samples"] += len(slot.samples) - len(slot.failed)
+            counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
             self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
             batch = self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
             self.consumed.append(slot)
@@ -328,7 +329,7 @@ class OnlineBatches:
                     slot.written += outcome.entry.bytes
                     self.on_disk += outcome.entry.bytes
                     self.high_water = max(self.high_water, self.on_disk)
-                    self.epochs[slot.epoch]["extracted"] += 1
+                    self.epochs[slot.epoch]["extracted"] += not slot.repeat
 
         try:
             await asyncio.gather(*[one(i) for i in slot.samples])
