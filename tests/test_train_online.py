@@ -7,10 +7,14 @@
 - the spool's size, sampled by a thread during the run, never exceeds train.spool_gb (a budget of a few rows), the
   logged high-water mark neither, and the spool is empty at the end; every row is trained once per epoch;
 - a spool too small for one packed row is refused at start, naming train.spool_gb;
+- completions that get no reply (a server that died and came back) are retried: every row trained once, the
+  offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
 - a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
-  with every row of the epoch trained once.
+  with the uninterrupted run's loss curve and draft;
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2.
 
-One server for the module (module fixture), a few steps per run.
+One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
+of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
 """
 
 from __future__ import annotations
