@@ -10,8 +10,12 @@ Usage:
     python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
+    python 04_train.py --config configs/kimi_k25.yaml --data-source online --eval-fraction 0 --spool-gb 64 \
+        --extract-url http://node1:8000                                 # states from vLLM as training goes
 
-Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8), <data_dir>/vocab/ (stage 03), the verifier's embedding,
+Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8; online: the rows stage 02 reads, and the states of the
+        next rows from stage 02's vLLM servers into hidden_states/work/train_spool/, train.spool_gb at most),
+        <data_dir>/vocab/ (stage 03), the verifier's embedding,
         final norm and lm_head (Kimi-K2.5 nested layout included), and with --finetune-from a flat
         LlamaForCausalLMEagle3 draft (AQ-MedAI / SpecForge layout).
 Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at the end), metrics.jsonl, curves.png,

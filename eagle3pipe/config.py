@@ -150,6 +150,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # step_N checkpoints kept (the newest ones; final/ is never pruned); 0 = keep all.
     # One K2.5 checkpoint is ~12.5 GB (fp32 weights and AdamW moments)
     min_free_gb: float = 1.0  # free space (GB) a checkpoint must leave on its disk; the save is refused before writing
+    data_source: str = "offline"  # "offline" (hidden_states/ from stage 02) or "online" (states extracted as training
+    # goes, by stage 02's vLLM servers: extract.server_args or --extract-url, into a spool of train.spool_gb)
+    spool_gb: float = 8.0  # online: disk (GB, all ranks together) the states of the upcoming rows may take
 
 
 @dataclass
@@ -265,6 +268,17 @@ class PipelineConfig:
             if t.grad_accum < 1 or t.nproc_per_node < 0 or t.keep_checkpoints < 0 or t.min_free_gb < 0:
                 raise ConfigError("train.grad_accum must be >= 1; train.nproc_per_node, keep_checkpoints and "
                                   "min_free_gb >= 0")
+            if t.data_source not in ("offline", "online"):
+                raise ConfigError(f"train.data_source must be 'offline' or 'online', got {t.data_source!r}")
+            if t.data_source == "online":
+                if t.spool_gb <= 0:
+                    raise ConfigError(f"train.spool_gb must be > 0 online, got {t.spool_gb}")
+                if t.eval_fraction > 0:
+                    raise ConfigError("train.data_source online trains on every row: pass --eval-fraction 0 (the "
+                                      "held-out evaluation reads stored states; 05 evaluates the draft)")
+                if self.extract.input not in ("synthetic", "prepared"):
+                    raise ConfigError(f"extract.input must be 'synthetic' or 'prepared', got {self.extract.input!r}")
+                self._validate_extract_backend(online=True)
         if stage == "evaluate":
             ev = self.evaluate
             if not ev.prompts and not ev.benchmarks:
@@ -286,11 +300,12 @@ class PipelineConfig:
                 raise ConfigError("evaluate.tensor_parallel_size must be >= 0 and evaluate.server_start_timeout_s > 0")
 
 
-    def _validate_extract_backend(self) -> None:
+    def _validate_extract_backend(self, online: bool = False) -> None:
+        """``online``: 04's online source, which always extracts on vLLM (extract.backend does not apply)."""
         ex = self.extract
         if ex.backend not in ("transformers", "vllm"):
             raise ConfigError(f"extract.backend must be 'transformers' or 'vllm', got {ex.backend!r}")
-        if ex.backend == "transformers" and (ex.extract_url or ex.server_args):
+        if not online and ex.backend == "transformers" and (ex.extract_url or ex.server_args):
             raise ConfigError("extract.extract_url / extract.server_args are for extract.backend: vllm "
                               "(pass --backend vllm)")
         for url in ex.extract_url:
@@ -434,6 +449,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
     return cfg
 
 
+# flags of another section's field a stage also takes (one setting, one flag name in every stage that reads it)
+BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [("extract", "extract_url")]}  # 04 online's servers
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -443,10 +462,12 @@ def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     sections = ["shared"] + ([stage] if stage in SECTIONS and stage != "shared" else [])
-    for section in sections:
+    for section in sections + [s for s, _ in BORROWED_FLAGS.get(stage, [])]:
         group = parser.add_argument_group(section)
         cls = SECTIONS[section]
         for f in dataclasses.fields(cls):
+            if section not in sections and (section, f.name) not in BORROWED_FLAGS[stage]:
+                continue
             typ = _field_types(cls)[f.name]
             dest = f"{section}.{f.name}"
             if typ is bool:

@@ -324,15 +324,14 @@ def _changed(run_before: dict | None, manifest: HiddenStatesManifest | None, ide
     return "; ".join(changed) or "settings differ"
 
 
-def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
-    """Stage 02 (see module docstring). Returns the manifest of the finished output."""
-    started = time.time()
-    dd, ex, sh = DataDir(cfg.data_dir), cfg.extract, cfg.shared
+def read_rows(cfg: PipelineConfig) -> tuple[Path, list]:
+    """(input file, its rows): the rows stage 02 extracts (and 04 online trains from), ``extract.input``'s file; a
+    partial 01b output, an empty file or a repeated row id is refused."""
     src = input_path(cfg)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no input rows; run the stage that writes it, or pick another with --input")
-    if ex.input == "synthetic":
-        check_synthetic_finished(dd)  # a partial 01b output is refused, naming 01b
+    if cfg.extract.input == "synthetic":
+        check_synthetic_finished(DataDir(cfg.data_dir))  # a partial 01b output is refused, naming 01b
     rows = list(load_training_rows(src))
     if not rows:
         raise StageError(f"{src}: holds no rows")
@@ -341,7 +340,14 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
         if r.id in seen:
             raise FormatError(f"{src}: row id {r.id!r} appears on lines {seen[r.id] + 1} and {i + 1}")
         seen[r.id] = i
+    return src, rows
 
+
+def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
+    """Stage 02 (see module docstring). Returns the manifest of the finished output."""
+    started = time.time()
+    dd, ex, sh = DataDir(cfg.data_dir), cfg.extract, cfg.shared
+    src, rows = read_rows(cfg)
     text_config, _ = load_text_config(sh.verifier, sh.trust_remote_code)
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
     if hidden_size != sh.hidden_size:

@@ -259,6 +259,7 @@ class Extractor:
     progress: Progress
     journal: JsonlAppender
     model: str = ""
+    out_dir: Path | None = None  # folder of the files hs_{local_index}; None = the shard's work folder (stage 02)
     pool: ServerPool | None = None  # the servers that answer, fewest in flight first (server.py)
     tokens: int = 0
     bytes: int = 0
@@ -271,6 +272,10 @@ class Extractor:
 
     async def __aexit__(self, *exc) -> None:
         await self.pool.close()
+
+    def sample_file(self, local_index: int) -> Path:
+        folder = self.out_dir if self.out_dir is not None else self.dd.hs_shard(self.shard)
+        return (folder / f"hs_{local_index}.safetensors").resolve()  # the connector's confinement resolves too
 
     async def server_info(self) -> tuple[str, int]:
         """(served model name, smallest max_model_len) of the servers that answer (the others are set aside and
@@ -294,12 +299,13 @@ class Extractor:
         return json.loads(response.content)
 
     async def one(self, item: Item, local_index: int, prompt_logprobs: bool = False,
-                  server: int | None = None) -> Outcome:
+                  server: int | None = None, path: Path | None = None) -> Outcome:
         """Request, wait, check one sample; retries included; on ``server`` (an index of ``urls``) when given (the
-        capture check), else on the one picked. The journal line is the caller's to write."""
+        capture check), else on the one picked; into ``path`` when given (04 online's spool), else
+        ``sample_file(local_index)``. The journal line is the caller's to write."""
         ex = self.cfg.extract
         position, row_id, ids = item
-        path = self.dd.hs_shard_file(self.shard, local_index).resolve()
+        path = Path(path).resolve() if path is not None else self.sample_file(local_index)
         failure = None
         for attempt in range(1 + ex.max_retries):
             if attempt:
@@ -317,7 +323,7 @@ class Extractor:
                 if written != path:
                     raise BadSample(f"the server wrote {written or 'nothing'} instead of {path}: start it with our "
                                     "connector (python -m eagle3pipe.extract_vllm prints the command) storing in "
-                                    f"{self.dd.hs_work.resolve()} or a folder above it", "config")
+                                    f"{path.parent} or a folder above it", "config")
                 await wait_written(path, ex.request_timeout_s)
                 size, finite = check_file(path, ids, self.cfg.shared.aux_layer_ids, self.num_layers,
                                           self.hidden_size, ex.storage_dtype)
@@ -407,7 +413,7 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
                              f"{outcome.failure.message}")
         if outcome.entry.local_index < 0:
             continue
-        states = load_hidden_states(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))["hidden_states"]
+        states = load_hidden_states(ex.sample_file(outcome.entry.local_index))["hidden_states"]
         ours = head.top1(states[:-1, -1]).tolist()  # final state at t predicts the token after t
         e, n = top1_agreement(ours, outcome.server_top)
         f = figures[outcome.server]
@@ -417,7 +423,7 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
     if failed:
         for outcome in outcomes:
             if outcome.entry is not None and outcome.entry.local_index >= 0:
-                remove_sample_files(ex.dd.hs_shard_file(ex.shard, outcome.entry.local_index))
+                remove_sample_files(ex.sample_file(outcome.entry.local_index))
         where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions "
                           f"({exact / max(total, 1):.1%} exactly)" for idx, (exact, near, total) in failed.items())
         raise StageError(
@@ -484,22 +490,30 @@ async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, jo
         refuse_rows_too_long(todo, max_model_len, urls)
         items, local = list(todo), 0
         if head_cls is not None and items:
-            first, budget = [], cfg.extract.verify_tokens
-            for item in sorted(items, key=lambda it: it[0]):
-                if budget <= 0 and len(first) >= len(urls):  # the token budget, and one sample per server
-                    break
-                first.append(item)
-                budget -= len(item[2])
-            head = head_cls(cfg.shared.verifier, cfg.shared.trust_remote_code)
-            exact, agreement, positions = await verify_capture(ex, first, local, head)
-            log.info("capture check: the stored final states predict the server's top-1 next token at %.2f%% of %d "
-                     "positions (%.2f%% exactly; %d samples over %d servers)", 100 * agreement, positions,
-                     100 * exact, len(first), min(len(first), len(urls)))
+            first = await check_capture(ex, sorted(items, key=lambda it: it[0]), local, head_cls)
             local += len(first)
             done = {it[0] for it in first}
             items = [it for it in items if it[0] not in done]
         items.sort(key=lambda it: -len(it[2]))  # longest first: an out-of-memory shows at once
         return await ex.run(items, local)
+
+
+async def check_capture(ex: Extractor, items: list[Item], first_local: int, head_cls) -> list[Item]:
+    """The capture check (``verify_capture``) on the first of ``items``: ``extract.verify_tokens`` tokens and at
+    least one sample per server. Returns the samples checked (their files written and journalled)."""
+    cfg = ex.cfg
+    first, budget = [], cfg.extract.verify_tokens
+    for item in items:
+        if budget <= 0 and len(first) >= len(ex.urls):  # the token budget, and one sample per server
+            break
+        first.append(item)
+        budget -= len(item[2])
+    head = head_cls(cfg.shared.verifier, cfg.shared.trust_remote_code)
+    exact, agreement, positions = await verify_capture(ex, first, first_local, head)
+    log.info("capture check: the stored final states predict the server's top-1 next token at %.2f%% of %d "
+             "positions (%.2f%% exactly; %d samples over %d servers)", 100 * agreement, positions,
+             100 * exact, len(first), min(len(first), len(ex.urls)))
+    return first
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -132,6 +132,29 @@ class DataDir:
     def hs_shard_journal(self, shard: int) -> Path:
         return self.hs_shard(shard) / "done.jsonl"
 
+    # stage 04 online (train.data_source: online): the states of the next rows only. Inside hs_work because the
+    # extraction servers' connector writes only inside its storage folder (hs_work, or a folder above it)
+    @property
+    def train_spool(self) -> Path:
+        return self.hs_work / "train_spool"
+
+    @property
+    def train_spool_rows(self) -> Path:
+        """The rows dataset (input_ids, loss_mask, seq_len) of every input row, as hidden_states/ holds it."""
+        return self.train_spool / "rows"
+
+    def train_spool_rank(self, rank: int) -> Path:
+        return self.train_spool / f"rank_{rank}"
+
+    def train_spool_slot(self, rank: int, epoch: int, slot: int) -> Path:
+        """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
+        return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
+
+    @property
+    def train_online_errors(self) -> Path:
+        """Samples an online epoch trained without, with the reason (one JSON line each, the epoch included)."""
+        return self.checkpoints / "online_errors.jsonl"
+
     @property
     def vocab(self) -> Path:
         return self.root / "vocab"

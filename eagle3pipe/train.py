@@ -295,9 +295,11 @@ def _worker_init(worker_id: int) -> None:  # noqa: ARG001
 
 
 def build_data(cfg: PipelineConfig, device: torch.device):
-    """(train_dataset, val_dataset or None, make_loader) over <data_dir>/hidden_states with speculators' reader."""
-    from speculators.train.data import ArrowDataset
+    """(train_dataset, val_dataset or None, manifest) over <data_dir>/hidden_states with speculators' reader."""
+    if cfg.train.data_source == "online":  # rows from 01/01b, states from vLLM as training goes (train_online.py)
+        from .train_online import build_online_data
 
+        return build_online_data(cfg, device)
     _datasets_without_video()
     dd = DataDir(cfg.data_dir)
     t = cfg.train
@@ -305,15 +307,7 @@ def build_data(cfg: PipelineConfig, device: torch.device):
     if manifest is None:
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
-    dtype = train_dtype(device)
-    if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
-        from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
-
-        transfer, dataset_class, stored = Fp8KeptTransfer(dd.hs_files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
-    else:
-        from .train_data import CheckedFileTransfer  # each file's layer ids checked against the manifest
-
-        transfer, dataset_class, stored = CheckedFileTransfer(dd.hs_files, manifest), ArrowDataset, dtype
+    transfer, dataset_class, stored = states_reader(manifest, dd.hs_files, train_dtype(device))
     n = manifest.num_samples
     train_ratio = 1.0 - t.eval_fraction
     has_val = t.eval_fraction > 0 and int(n * train_ratio) < n and int(n * train_ratio) > 0
@@ -328,6 +322,20 @@ def build_data(cfg: PipelineConfig, device: torch.device):
     train_ds, val_ds = dataset("train"), (dataset("val") if has_val else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
     return train_ds, val_ds, manifest
+
+
+def states_reader(manifest, files: Path, dtype: torch.dtype):
+    """(transfer, dataset class, dtype the states are collated in) reading the per-sample files in ``files``: fp8
+    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``."""
+    from speculators.train.data import ArrowDataset
+
+    if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
+        from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
+
+        return Fp8KeptTransfer(files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
+    from .train_data import CheckedFileTransfer  # each file's layer ids checked against the manifest
+
+    return CheckedFileTransfer(files, manifest), ArrowDataset, dtype
 
 
 def _same_checkpoint(a: Path, b: Path) -> bool:
@@ -403,16 +411,22 @@ def train_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
+def make_collate(dataset, cfg: PipelineConfig):
+    """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
+    stays e4m3 until train_data.to_device on the device)."""
     from speculators.train.data import CollateFn
-    from torch.utils.data import DataLoader
 
     from .train_data import shift_batch_with_scales
 
+    return CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
+                     dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
+
+
+def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
+    from torch.utils.data import DataLoader
+
     workers = cfg.train.num_workers
-    # hidden states are collated in the dtype stored (fp8 stays e4m3 until train_data.to_device on the device)
-    collate = CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
-                        dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
+    collate = make_collate(dataset, cfg)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                       pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
                       persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None,
@@ -426,6 +440,45 @@ def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> list:
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
                                                  num_replicas=1, rank=0, seed=seed)
     return [b.tolist() for b in sampler._generate_batches(epoch)]  # noqa: SLF001 (its public iterator hides epoch)
+
+
+class OfflineBatches:
+    """The data-source seam, offline: an epoch's packed rows read from hidden_states/ by the DataLoader. The online
+    source (train_online.OnlineBatches) has the same four methods."""
+
+    def __init__(self, loader, sampler: EpochBatches):
+        self.loader, self.sampler = loader, sampler
+
+    def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
+        """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
+        self.sampler.set(rows)
+        return self.loader
+
+    def step_done(self) -> None:
+        """The optimizer step that used the batches handed out so far is done."""
+
+    def epoch_record(self, epoch: int) -> dict | None:  # noqa: ARG002
+        """A metrics.jsonl record of the source for the epoch, or None."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class SourceStopped(Exception):
+    """The data source cannot go on (online: no server answers, or more samples failed than allowed): 04 saves a
+    checkpoint at the last finished step and stops, naming --resume."""
+
+
+def make_batches(cfg: PipelineConfig, train_ds, manifest, ranks: Ranks, device: torch.device):
+    """The epoch batches of train.data_source: offline, the DataLoader over hidden_states/; online, the states
+    extracted into the spool as training goes (train_online.py)."""
+    if cfg.train.data_source == "online":
+        from .train_online import OnlineBatches
+
+        return OnlineBatches(cfg, train_ds, manifest, ranks, device)
+    sampler = EpochBatches()
+    return OfflineBatches(make_loader(train_ds, sampler, cfg, device), sampler)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -463,7 +516,7 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         for _, path in existing:
             shutil.rmtree(path)
         shutil.rmtree(dd.final_checkpoint, ignore_errors=True)
-        for p in (dd.train_metrics, dd.train_curves):
+        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors):
             p.unlink(missing_ok=True)
     return None
 
@@ -650,8 +703,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     loss_config = resolve_loss_config(LOSS_NAME, "eager")
     call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
     keys = metric_keys(t.ttt_steps)
-    train_sampler, val_sampler = EpochBatches(), EpochBatches()
-    train_loader = make_loader(train_ds, train_sampler, cfg, device)
+    val_sampler = EpochBatches()
+    source = make_batches(cfg, train_ds, manifest, ranks, device)  # online: servers up, capture checked
     val_loader = None
     if val_ds is not None:  # each rank evaluates its share of the held-out rows; the sums are all-reduced
         val_sampler.set(packed_batches(val_ds, t.total_seq_len, s.seed, 0)[ranks.rank::world])
@@ -688,9 +741,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             rows = epoch_batches[epoch]
             start = state.batches_done if epoch == state.epoch else 0
             plan = rank_rows(len(rows), world, accum, ranks.rank, start)
-            train_sampler.set([rows[i] for i, _ in plan])
             trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
-            batches = device_batches(train_loader, device, dtype, waited)
+            batches = device_batches(source.epoch(epoch, [rows[i] for i, _ in plan]), device, dtype, waited)
             for step_in_epoch in range(start, steps_per_epoch[epoch]):
                 present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
                 optimizer.zero_grad(set_to_none=True)
@@ -718,6 +770,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 lr_used = optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
                 optimizer.step()
                 scheduler.step()
+                source.step_done()
                 state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
                 if state.step % t.log_every == 0 or state.step == cap:
                     totals, (tokens_all, skipped_all) = reduce_metrics(sums, keys, device, [tokens_seen, skipped],
@@ -753,6 +806,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             if ranks.main:
                 record = check_rows_trained(per_rank, rows, start, group, epoch)
                 metrics_log.write(record)
+                if (extra := source.epoch_record(epoch)) is not None:
+                    metrics_log.write(extra)
                 log.info("epoch %d: %d packed rows trained (%d samples), each once, over %d rank%s (%s rows each); "
                          "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
                          "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
@@ -765,7 +820,18 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
                     log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
+    except SourceStopped as e:
+        if metrics_log is not None:
+            metrics_log.close()
+            metrics_log = None
+        if ranks.distributed:  # a save is a collective the other ranks, mid-step, would never join: torchrun ends them
+            raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
+                             "torchrun command with --resume once a server answers") from None
+        save(state)  # the last finished step: nothing of the unfinished one was applied
+        raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun 04_train.py "
+                         "with the same flags and --resume once a server answers") from None
     finally:
+        source.close()
         if metrics_log is not None:
             metrics_log.close()
         if progress is not None:

