@@ -32,14 +32,14 @@ from eagle3pipe.records import (
 )
 
 from test_extract import AUX, make_cfg, write_rows
-from test_generate import StubHTTPServer
+from test_generate import DyingStub, StubHTTPServer
 
 MAX_MODEL_LEN = 30
 NUM_LAYERS = 8
 RIGHT_IDS = AUX + [NUM_LAYERS]
 
 
-class StubExtractionServer:
+class StubExtractionServer(DyingStub):
     """/v1/models and /v1/completions like an extraction server: writes a random sample file where the request
     asks, with our connector's metadata (``layer_ids`` captured from a ``NUM_LAYERS``-layer verifier, or ``meta``).
     ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores. Faults a rerun
@@ -77,11 +77,7 @@ class StubExtractionServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
-                    stub.posts += 1
-                    if stub.die_after is not None and stub.posts > stub.die_after:
-                        if stub.posts == stub.die_after + 1:
-                            threading.Thread(target=stub.close).start()
-                        self.close_connection = True
+                    if stub.dies_now(self):
                         return  # no reply: the client sees the connection drop
                 ids, path = body["prompt"], body["kv_transfer_params"]["hidden_states_path"]
                 stub.requests[tuple(ids)] += 1
@@ -113,12 +109,7 @@ class StubExtractionServer:
 
     def close(self) -> None:
         self.heal()
-        with self.lock:
-            if self.httpd is None:
-                return
-            httpd, self.httpd = self.httpd, None
-        httpd.shutdown()
-        httpd.server_close()
+        super().close()
 
 
 def _cfg(data_dir, verifier, url, **extract):

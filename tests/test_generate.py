@@ -81,6 +81,33 @@ class StubHTTPServer(ThreadingHTTPServer):
         pass
 
 
+class DyingStub:
+    """What the stubs of 01b and 02 share: ``die_after`` posts, then they die as a crashed node does (the request in
+    hand gets no reply, the port then refuses), and an idempotent ``close``. Subclasses set ``httpd`` and ``lock``."""
+
+    die_after: int | None = None
+    posts: int = 0
+
+    def dies_now(self, handler) -> bool:
+        """Count one post (call with ``lock`` held); True when it must go unanswered, the connection dropped."""
+        self.posts += 1
+        if self.die_after is None or self.posts <= self.die_after:
+            return False
+        if self.posts == self.die_after + 1:
+            threading.Thread(target=self.close).start()
+        handler.close_connection = True
+        return True
+
+    def close(self) -> None:
+        """Stop serving and close the port (idempotent): new connections are refused."""
+        with self.lock:
+            if self.httpd is None:
+                return
+            httpd, self.httpd = self.httpd, None
+        httpd.shutdown()
+        httpd.server_close()
+
+
 # vLLM 0.32's HTTP 400 body for a prompt over --max-model-len (vllm/renderers/params.py), as the server sends it
 CONTEXT_TOO_LONG_BODY = {"error": {"message": "This model's maximum context length is 2048 tokens. However, your "
                                               "prompt contains 2100 input tokens, which exceeds this limit even "
@@ -89,7 +116,7 @@ CONTEXT_TOO_LONG_BODY = {"error": {"message": "This model's maximum context leng
                                    "code": 400}}
 
 
-class StubServer:
+class StubServer(DyingStub):
     """A local OpenAI-compatible HTTP server with scripted faults. ``mode``: how /v1/chat/completions misbehaves;
     per user prompt: ``fail_for`` answer 500, ``too_long_for`` answer vLLM's context-length 400, ``empty_for``
     answer without reasoning (each a set the test may change between runs). ``die_after``: after that many chat
@@ -139,11 +166,7 @@ class StubServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
                 with stub.lock:
-                    stub.posts += 1
-                    if stub.die_after is not None and stub.posts > stub.die_after:
-                        if stub.posts == stub.die_after + 1:
-                            threading.Thread(target=stub.close).start()
-                        self.close_connection = True
+                    if stub.dies_now(self):
                         return  # no reply: the client sees the connection drop
                     stub.requests[prompt] = stub.requests.get(prompt, 0) + 1
                     seen = stub.requests[prompt]
@@ -168,16 +191,6 @@ class StubServer:
 
     def __exit__(self, *exc):
         self.close()
-
-    def close(self) -> None:
-        """Stop serving and close the port (idempotent): new connections are refused."""
-        with self.lock:
-            if self.httpd is None:
-                return
-            httpd, self.httpd = self.httpd, None
-        httpd.shutdown()
-        httpd.server_close()
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # parsing
