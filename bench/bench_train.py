@@ -83,8 +83,9 @@ def write_verifier(folder: Path, dims: dict) -> Path:
 
 
 def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, lengths: tuple[int, int],
-               storage: str, aux: list[int], device: str) -> int:
-    """Stage 02's output (random states, generated on ``device``) + a vocab/ of the first draft_vocab ids."""
+               storage: str, aux: list[int], device: str, prepared: bool = False) -> int:
+    """Stage 02's output (random states, generated on ``device``) + a vocab/ of the first draft_vocab ids; with
+    ``prepared`` also the rows as stage 01 writes them (prepared/data.jsonl: what 04 online reads)."""
     dd = DataDir(data_dir)
     g = torch.Generator().manual_seed(1)
     rows, tokens = [], 0
@@ -97,6 +98,10 @@ def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, len
         rows.append((ids.tolist(), [0] * 16 + [1] * (t - 16)))
         tokens += t
     save_hs_rows(dd.hidden_states, rows)
+    if prepared:
+        dd.prepared.mkdir(parents=True, exist_ok=True)
+        dd.prepared_data.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": mask,
+                                                        "source": "bench"}) + "\n" for i, (ids, mask) in enumerate(rows)))
     save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(
         verifier=str(verifier), num_layers=dims["layers"], aux_layer_ids=aux, hidden_size=dims["hidden"],
         model_dtype="bfloat16", storage_dtype=storage, num_samples=num_samples, num_tokens=tokens, num_dropped=0,
@@ -178,10 +183,12 @@ def samples_needed(tokens: int, steps: int, lengths: tuple[int, int], fill: floa
 
 
 def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
-        skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16") -> dict:
+        skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16",
+        overrides: dict | None = None, tag: str = "") -> dict:
     """``04_train.py`` through its door on ``data_dir``: one plain process (``nproc`` 0) or torchrun with ``nproc``
-    processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``."""
-    cfg = load_config(None, {
+    processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``. ``overrides``:
+    config sections merged over these ({"train": {"data_source": "online"}, ...}); ``tag`` names its log/config."""
+    values = {
         "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": aux,
                    "hidden_size": dims["hidden"], "vocab_size": dims["vocab"], "draft_vocab_size": dims["draft_vocab"],
                    "max_seq_len": tokens, "progress_every_s": 10.0},
@@ -190,14 +197,17 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
                   "draft_head_dim": dims["head_dim"], "draft_intermediate_size": dims["inter"], "overwrite": True,
                   "cpu_threads": 1 if device == "cpu" else 0},
         "extract": {"storage_dtype": storage, "model_dtype": "bfloat16"},  # as write_data's manifest says
-    })
+    }
+    for section, keys in (overrides or {}).items():
+        values[section].update(keys)
+    cfg = load_config(None, values)
     cfg.validate("train")  # the checks 04 makes (shared.max_seq_len <= train.total_seq_len among them)
-    config = data_dir.parent / f"{data_dir.name}_nproc{nproc}.yaml"
+    config = data_dir.parent / f"{data_dir.name}_nproc{nproc}{tag}.yaml"
     config.write_text(yaml.safe_dump(cfg.to_dict()))
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    "--nproc-per-node", str(nproc)]
     dropped = drop_page_cache() if drop_cache else False
-    out = data_dir.parent / f"{data_dir.name}_nproc{nproc}.log"
+    out = data_dir.parent / f"{data_dir.name}_nproc{nproc}{tag}.log"
     t0 = time.perf_counter()
     with open(out, "wb") as f:
         code = subprocess.call(launcher + [str(REPO / "04_train.py"), "--config", str(config)], stdout=f,

@@ -31,6 +31,7 @@ import logging
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,35 +183,53 @@ class OnlineBatches:
         return self._batches(slots)
 
     def _batches(self, slots: list[Slot]):
+        """Each slot's batch once its files are there, packed one row ahead in a thread: reading and dequantising a
+        row's files (~1 GB at K2.5's 32768-token rows) would otherwise stall the training loop every step (12 % of
+        the H200 step rate, BENCHMARKS.md "online on one H200"), as the offline DataLoader's workers do not."""
         counts = self.epochs[slots[0].epoch] if slots else {}
         allowed = errors_allowed(self.cfg.extract.max_error_share, counts.get("total", 0))
-        for slot in slots:
-            t0 = time.monotonic()
-            while not slot.ready.wait(0.5):
-                if self.error is not None:
-                    raise self.error
-            counts["wait_s"] += time.monotonic() - t0
+        abandoned = threading.Event()  # the loop stopped asking (an error, max_steps): the packer stops waiting
+        packer = ThreadPoolExecutor(1, thread_name_prefix="online-pack")
+        try:
+            ahead = packer.submit(self._pack, slots[0], counts, allowed, abandoned) if slots else None
+            for k, slot in enumerate(slots):
+                batch = ahead.result()
+                if k + 1 < len(slots):
+                    ahead = packer.submit(self._pack, slots[k + 1], counts, allowed, abandoned)
+                counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
+                self.consumed.append(slot)
+                yield batch
+        finally:
+            abandoned.set()
+            packer.shutdown(wait=True, cancel_futures=True)
+
+    def _pack(self, slot: Slot, counts: dict, allowed: int, abandoned: threading.Event):
+        """Waits for the slot's files, lists its failures (stopping past --max-error-share), packs its row."""
+        t0 = time.monotonic()
+        while not slot.ready.wait(0.5):
             if self.error is not None:
                 raise self.error
-            for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
-                counts["open" if is_open else "dropped"] += 1
-                row = self.dataset.online_rows[i]
-                self.errors_log.write({"epoch": slot.epoch, **DroppedRow(
-                    self.manifest.input, i, f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
-            if counts["open"] > allowed:
-                from .train import SourceStopped
+            if abandoned.is_set():
+                return None
+        counts["wait_s"] += time.monotonic() - t0
+        if self.error is not None:
+            raise self.error
+        for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
+            counts["open" if is_open else "dropped"] += 1
+            row = self.dataset.online_rows[i]
+            self.errors_log.write({"epoch": slot.epoch, **DroppedRow(
+                self.manifest.input, i, f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
+        if counts["open"] > allowed:
+            from .train import SourceStopped
 
-                i = next(i for i, (_, o) in slot.failed.items() if o)
-                raise SourceStopped(
-                    f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
-                    f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
-                    f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
-                    f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
-            counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
-            self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
-            batch = self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
-            self.consumed.append(slot)
-            yield batch
+            i = next(i for i, (_, o) in slot.failed.items() if o)
+            raise SourceStopped(
+                f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
+                f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
+                f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
+                f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
+        self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
+        return self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
 
     def step_done(self) -> None:
         """Deletes the files of the rows of the step just done (the step's grad_accum rows, the oldest handed out)."""
