@@ -176,6 +176,7 @@ def markdown_table(result: dict) -> str:
     columns = [("wall s", lambda r: r["wall_s"]), ("start s", lambda r: r["server"]["start_to_first_request_s"]),
                ("serving s", lambda r: r["server"]["serving_s"]),
                ("engine held", lambda r: r["server"]["engine_in_flight_avg"]),
+               ("running while busy", lambda r: r["server"]["running_avg_while_busy"]),
                ("e2e s", lambda r: r["server"]["e2e_mean_s"]), ("server CPU s", lambda r: r["server"]["cpu_s"]),
                ("client CPU s", lambda r: r["client_cpu_s"]), ("load", lambda r: r["loadavg_1m"]),
                ("lost", lambda r: result["prompts"] - r["finished"])]
@@ -186,7 +187,9 @@ def markdown_table(result: dict) -> str:
     lines.append(f"\nMedians {med['ours']:g} s vs {med['theirs']:g} s: **{result['ratio_ours_over_theirs']}x**; "
                  f"serving {srv['ours']:g} s vs {srv['theirs']:g} s "
                  f"({srv['ours'] / srv['theirs'] if srv['theirs'] else float('nan'):.2f}x); engine held "
-                 f"{held['ours']:g} vs {held['theirs']:g}; client CPU s {result['client_cpu_s_median']['ours']:g} vs "
+                 f"{held['ours']:g} vs {held['theirs']:g} (running while busy "
+                 f"{result['running_avg_while_busy_median']['ours']:g} vs "
+                 f"{result['running_avg_while_busy_median']['theirs']:g}); client CPU s {result['client_cpu_s_median']['ours']:g} vs "
                  f"{result['client_cpu_s_median']['theirs']:g}; samples lost {result['lost']}.")
     return "\n".join(lines)
 
