@@ -171,6 +171,29 @@ def run_theirs(work: Path, verifier: Path, url: str, args, extras: dict, rep: in
     return wall, written, len(rows), {}
 
 
+def markdown_table(result: dict) -> str:
+    """BENCHMARKS.md's table of one run of this script: every run's figures per tool, then the medians."""
+    columns = [("wall s", lambda r: r["wall_s"]), ("start s", lambda r: r["server"]["start_to_first_request_s"]),
+               ("serving s", lambda r: r["server"]["serving_s"]),
+               ("engine held", lambda r: r["server"]["engine_in_flight_avg"]),
+               ("running while busy", lambda r: r["server"]["running_avg_while_busy"]),
+               ("e2e s", lambda r: r["server"]["e2e_mean_s"]), ("server CPU s", lambda r: r["server"]["cpu_s"]),
+               ("client CPU s", lambda r: r["client_cpu_s"]), ("load", lambda r: r["loadavg_1m"]),
+               ("lost", lambda r: result["prompts"] - r["finished"])]
+    lines = ["| tool | " + " | ".join(c for c, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for tool, rs in result["runs"].items():
+        lines.append(f"| {tool} | " + " | ".join(", ".join(str(get(r)) for r in rs) for _, get in columns) + " |")
+    med, srv, held = (result["median_wall_s"], result["serving_s_median"], result["engine_in_flight_avg_median"])
+    lines.append(f"\nMedians {med['ours']:g} s vs {med['theirs']:g} s: **{result['ratio_ours_over_theirs']}x**; "
+                 f"serving {srv['ours']:g} s vs {srv['theirs']:g} s "
+                 f"({srv['ours'] / srv['theirs'] if srv['theirs'] else float('nan'):.2f}x); engine held "
+                 f"{held['ours']:g} vs {held['theirs']:g} (running while busy "
+                 f"{result['running_avg_while_busy_median']['ours']:g} vs "
+                 f"{result['running_avg_while_busy_median']['theirs']:g}); client CPU s {result['client_cpu_s_median']['ours']:g} vs "
+                 f"{result['client_cpu_s_median']['theirs']:g}; samples lost {result['lost']}.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=200)
@@ -233,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": runs,
     }
     print(json.dumps(result, indent=2))
+    print(markdown_table(result))
     (work / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     log.info("result written to %s", work / "result.json")
 

@@ -41,10 +41,10 @@ t_start = time.monotonic()
 _ask, _finish, _run = gr.Generator._ask, gr.Generator._finish, gr.Generator.run
 
 
-async def timed_ask(self, client, model, q):
+async def timed_ask(self, idx, model, q):
     ev = {"id": q.id, "send": time.monotonic()}
     events.append(ev)
-    out = await _ask(self, client, model, q)
+    out = await _ask(self, idx, model, q)
     ev["reply"] = time.monotonic()
     return out
 

@@ -19,14 +19,24 @@ import time
 from dataclasses import dataclass, field
 
 import httpx2  # the HTTP library the openai client is built on
-import openai
 
 from .chat import SpecialIds, prompt_token_ids, rebuild_completion_ids
 from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
 from .records import JsonlAppender, RequestError, Response, TrainingRow
-from .server import NoServerAnswers, ServerMetrics, ServerPool, aread_metrics, backoff_delay_s, classify_request_error
+from .server import (
+    NoServerAnswers,
+    RequestFailed,
+    ServerMetrics,
+    ServerPool,
+    api_base,
+    aread_metrics,
+    backoff_delay_s,
+    classify_request_error,
+    make_session,
+    post_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +215,8 @@ class Generator:
                            "chat_template_kwargs": {**extra.get("chat_template_kwargs", {}),
                                                     "thinking": cfg.shared.thinking}}
         self.pool: ServerPool | None = None  # set by run()
+        self.sessions: list = []  # per server, set by run(): the aiohttp sessions post_json sends through
+        self.endpoints = [api_base(u) + "/chat/completions" for u in self.urls]
         self.stats = RunStats()
         self.prompt_checked = False
         self.started = time.monotonic()
@@ -219,17 +231,12 @@ class Generator:
             body["tools"] = q.tools  # needs a server with --enable-auto-tool-choice
         return body
 
-    async def _ask(self, client, model: str, q) -> dict:
-        # The openai client's low-level post: it still sends, times out and raises its typed errors (which
-        # classify_request_error reads), but skips create()'s per-call parameter transformation and reply models
-        # (about 1.5 ms of client CPU a request, measured: CPU a client on the server's box takes from the
-        # server), and the raw JSON keeps every field vLLM sent.
-        raw = await client.post("/chat/completions", cast_to=httpx2.Response, body=self.request_body(model, q),
-                                options={"timeout": self.g.request_timeout_s})
-        try:
-            return json.loads(raw.content)
-        except ValueError as e:
-            raise BadResponse(f"reply is not JSON ({e})") from None
+    async def _ask(self, idx: int, model: str, q) -> dict:
+        # server.post_json (aiohttp), not the openai client: the least client CPU a request of the clients measured
+        # (bench/bench_transport.py), and the raw JSON keeps every field vLLM sent. It raises RequestFailed with
+        # the kinds and retry decisions classify_request_error gives the openai client's errors.
+        return await post_json(self.sessions[idx], self.endpoints[idx], self.request_body(model, q),
+                               self.g.request_timeout_s)
 
     async def run_one(self, q, model: str) -> None:
         attempts_allowed = 1 + self.g.max_retries
@@ -240,8 +247,8 @@ class Generator:
             try:
                 idx = self.pool.acquire()
                 url = self.urls[idx]
-                resp = await self._ask(self.pool.clients[idx], model, q)
-            except (openai.OpenAIError, NoServerAnswers) as e:
+                resp = await self._ask(idx, model, q)
+            except (RequestFailed, NoServerAnswers) as e:
                 failure = classify_request_error(e, self.g.request_timeout_s)
                 if failure is None:
                     raise
@@ -414,6 +421,9 @@ class Generator:
             await self.pool.close()
             raise
         model = self.pool.model = self.g.served_model_name or next(iter(served.values())).name
+        # one worker per slot (below), each pulling the next question as soon as its reply is written: measured
+        # against a semaphore over one task per question, which kept the server no fuller (bench_transport.py)
+        self.sessions = [make_session(self.g.request_timeout_s, self.g.concurrency + 8) for _ in self.urls]
         log.info("sending %d requests to %s (model %s), %d in flight", len(todo), ", ".join(self.urls), model,
                  self.g.concurrency)
         queue: asyncio.Queue = asyncio.Queue()
@@ -436,4 +446,6 @@ class Generator:
             for t in [*workers, monitor]:
                 t.cancel()
             await asyncio.gather(*workers, monitor, return_exceptions=True)
+            for session in self.sessions:
+                await session.close()
             await self.pool.close()

@@ -8,6 +8,8 @@
   signalled or its parent dies.
 - ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
   waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
+- ``make_session`` / ``post_json``: stage 01b's transport (aiohttp: about half the client CPU a request of the openai
+  client, measured), its errors classified into the same ``RequestFailure`` kinds as the openai client's.
 - ``make_async_client``: an ``AsyncOpenAI`` client. Base URLs are given WITHOUT ``/v1`` everywhere in the pipeline
   (``shared.vllm_url``); ``api_base`` is the one place that appends it. Every client, and every plain HTTP call here,
   sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (``API_KEY_ENV``: vLLM's own name, so a
@@ -24,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -106,11 +109,23 @@ class RequestFailure:
     retryable: bool
 
 
+def status_failure(status: int, text: str) -> RequestFailure:
+    """A RequestFailure for an HTTP error reply: 5xx, 408 and 429 are worth a retry, other 4xx are not; vLLM's 400
+    for a too-long prompt is ``context_too_long``."""
+    kind = "http_5xx" if status >= 500 else f"http_{status}"
+    if status == 400 and CONTEXT_TOO_LONG.search(text):
+        kind = "context_too_long"  # fails the same way every time: the user may accept it as permanent
+    return RequestFailure(kind, f"HTTP {status}: {text[:300]}", status >= 500 or status in (408, 429))
+
+
 def classify_request_error(error: BaseException, timeout_s: float) -> RequestFailure | None:
-    """A RequestFailure for the openai client's errors (timeouts, connection errors, 5xx, 408 and 429 are worth a
-    retry; other 4xx are not); None for anything else (a bug: let it raise)."""
+    """A RequestFailure for the errors of ``post_json`` (already classified) and of the openai client (timeouts,
+    connection errors, 5xx, 408 and 429 are worth a retry; other 4xx are not); None for anything else (a bug: let
+    it raise)."""
     import openai
 
+    if isinstance(error, RequestFailed):
+        return error.failure
     if isinstance(error, NoServerAnswers):
         return RequestFailure("connection", str(error), True)
     if isinstance(error, openai.APITimeoutError):
@@ -118,12 +133,67 @@ def classify_request_error(error: BaseException, timeout_s: float) -> RequestFai
     if isinstance(error, openai.APIConnectionError):
         return RequestFailure("connection", f"{type(error.__cause__ or error).__name__}: {error}", True)
     if isinstance(error, openai.APIStatusError):
-        status = error.status_code
-        kind = "http_5xx" if status >= 500 else f"http_{status}"
-        if status == 400 and CONTEXT_TOO_LONG.search(str(error)):
-            kind = "context_too_long"  # fails the same way every time: the user may accept it as permanent
-        return RequestFailure(kind, f"HTTP {status}: {str(error)[:300]}", status >= 500 or status in (408, 429))
+        return status_failure(error.status_code, str(error))
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 01b's transport: JSON over aiohttp
+#
+# 01b's hot path posts a prebuilt JSON body and reads the JSON reply; nothing of the openai client is needed there.
+# Measured on one vLLM CPU server (bench/bench_transport.py, BENCHMARKS.md "What changed (2026-12-02)"), aiohttp
+# costs the client about half the CPU a request of the openai client's low-level post (httpx2 underneath), CPU a
+# client on the server's box takes from the server. Its errors are classified here into the same RequestFailure
+# kinds and retry decisions as classify_request_error gives the openai client's, and ``unreachable`` says what
+# is_connection_failure says (ServerPool sets such a server aside).
+
+KEEPALIVE_S = 3.0  # idle connections are closed before uvicorn's 5 s (vLLM's keep-alive): never reuse a closing one
+
+
+class RequestFailed(Exception):
+    """``post_json`` failed in a known way: ``failure`` (kind, message, retryable); ``unreachable`` when the server
+    did not answer at all (refused, reset, dropped, no connection in time): ServerPool then sets it aside."""
+
+    def __init__(self, failure: RequestFailure, unreachable: bool = False):
+        super().__init__(failure.message)
+        self.failure, self.unreachable = failure, unreachable
+
+
+def make_session(timeout_s: float, max_connections: int):
+    """An ``aiohttp.ClientSession`` for ``post_json`` (sends ``$VLLM_API_KEY`` when set). Timeouts as the openai
+    client's: connecting within min(timeout_s, 30 s), then no more than ``timeout_s`` without a byte of reply; a
+    pool of ``max_connections`` kept alive. Call inside the event loop that uses it."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(timeout_s, 30.0), sock_read=timeout_s),
+        headers=auth_headers())
+
+
+async def post_json(session, url: str, body: dict, timeout_s: float) -> dict:
+    """POST ``body`` as JSON to ``url`` (the full endpoint, e.g. ``api_base(u) + "/chat/completions"``) and return
+    the reply's JSON. Raises RequestFailed: ``timeout`` (no connection, or no reply within ``timeout_s``),
+    ``connection`` (refused, reset, the reply cut off), ``status_failure``'s kinds for an HTTP error, and
+    ``bad_response`` (not retried) for a 2xx reply that is not JSON."""
+    import aiohttp
+
+    try:
+        async with session.post(url, json=body) as resp:
+            status, data = resp.status, await resp.read()
+    except aiohttp.ConnectionTimeoutError:  # before ServerTimeoutError, which it is: the server did not answer
+        raise RequestFailed(RequestFailure("timeout", f"no connection within {min(timeout_s, 30.0):g} s", True),
+                            unreachable=True) from None
+    except TimeoutError:  # aiohttp's read timeout (a ServerTimeoutError) or asyncio's: the server is slow
+        raise RequestFailed(RequestFailure("timeout", f"no reply within {timeout_s:g} s", True)) from None
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise RequestFailed(RequestFailure("connection", f"{type(e).__name__}: {e}", True), unreachable=True) from None
+    if status >= 400:
+        raise RequestFailed(status_failure(status, data.decode(errors="replace")))
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise RequestFailed(RequestFailure("bad_response", f"reply is not JSON ({e})", False)) from None
 
 
 def backoff_delay_s(attempt: int, base_s: float, cap_s: float = 60.0) -> float:
@@ -157,6 +227,8 @@ def is_connection_failure(error: BaseException) -> bool:
     reply that is late is not one: a busy server is slow."""
     import openai
 
+    if isinstance(error, RequestFailed):
+        return error.unreachable
     if isinstance(error, openai.APITimeoutError):
         return isinstance(error.__cause__, httpx2.ConnectTimeout)
     return isinstance(error, openai.APIConnectionError)

@@ -12,6 +12,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx2
 import pytest
 
 from eagle3pipe.cli import StageError, run_stage
@@ -516,3 +517,133 @@ def test_the_pool_takes_a_server_back_once_it_answers_on_its_port():
                     assert pool.acquire() == 0  # fewest in flight: 0 against 3
 
     asyncio.run(drill())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 01b's transport (server.post_json, aiohttp): each failure mapped onto the openai client's kinds and decisions
+
+# fault -> (kind, retryable, unreachable: ServerPool sets the server aside); the openai client's column is what
+# classify_request_error and is_connection_failure said for the same reply before 01b left that client
+TRANSPORT_FAULTS = {
+    "http_500": ("http_5xx", True, False),
+    "http_503": ("http_5xx", True, False),
+    "http_408": ("http_408", True, False),
+    "http_429": ("http_429", True, False),
+    "http_404": ("http_404", False, False),
+    "http_401": ("http_401", False, False),
+    "too_long": ("context_too_long", False, False),
+    "slow": ("timeout", True, False),
+    "drop": ("connection", True, True),
+    "refused": ("connection", True, True),
+    "not_json": ("bad_response", False, False),
+}
+
+
+class FaultStub(DyingStub):
+    """Answers POST /v1/chat/completions as the body's ``fault`` says (``http_NNN``, ``too_long``: vLLM's 400,
+    ``slow``: after ``slow_s``, ``drop``: closes the connection unanswered, ``not_json``: a 200 that is not JSON,
+    else a completion); records each request's Authorization header."""
+
+    def __init__(self, slow_s: float = 6.0):
+        self.lock = threading.Lock()
+        self.auth: list[str | None] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                fault = json.loads(self.rfile.read(int(self.headers["Content-Length"]))).get("fault", "")
+                with stub.lock:
+                    stub.auth.append(self.headers.get("Authorization"))
+                if fault.startswith("http_"):
+                    self._send(int(fault[5:]), json.dumps({"error": {"message": f"scripted {fault}"}}))
+                elif fault == "too_long":
+                    self._send(400, json.dumps(CONTEXT_TOO_LONG_BODY))
+                elif fault == "slow":
+                    time.sleep(slow_s)
+                    self._send(200, json.dumps(_completion()))
+                elif fault == "drop":
+                    self.close_connection = True  # no reply at all: the client sees the connection close
+                elif fault == "not_json":
+                    self._send(200, "<html>proxy error</html>")
+                else:
+                    self._send(200, json.dumps(_completion()))
+
+        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+async def _post_json_outcome(url: str, fault: str, timeout_s: float):
+    """What post_json makes of one fault: the reply, or (kind, retryable, unreachable) of its RequestFailed, with
+    what ServerPool does with it (set aside or not) and classify_request_error's reading of it."""
+    from eagle3pipe.server import RequestFailed, classify_request_error, make_session, post_json
+
+    async with make_session(timeout_s, 4) as session:
+        try:
+            return await post_json(session, api_base(url) + "/chat/completions", {"fault": fault}, timeout_s)
+        except RequestFailed as e:
+            async with ServerPool([url], timeout_s, 4, flag="--vllm-url") as pool:
+                pool.report_failure(0, e)
+                set_aside = 0 in pool.aside
+            assert classify_request_error(e, timeout_s) is e.failure  # run_one reads it through here
+            return e.failure.kind, e.failure.retryable, e.unreachable, set_aside, e.failure.message
+
+
+async def _openai_outcome(url: str, fault: str, timeout_s: float):
+    """The same fault through the openai client 01b used before (its low-level post), as classify_request_error and
+    is_connection_failure read it."""
+    import openai
+
+    from eagle3pipe.server import classify_request_error, is_connection_failure, make_async_client
+
+    client = make_async_client(url, timeout_s, max_connections=4)
+    try:
+        await client.post("/chat/completions", cast_to=httpx2.Response, body={"fault": fault},
+                          options={"timeout": timeout_s})
+        return None
+    except openai.OpenAIError as e:
+        failure = classify_request_error(e, timeout_s)
+        return failure.kind, failure.retryable, is_connection_failure(e)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("fault", sorted(TRANSPORT_FAULTS))
+def test_post_json_classifies_each_failure_as_the_openai_client_did(fault):
+    stub = FaultStub()
+    url = f"http://127.0.0.1:{free_port()}" if fault == "refused" else stub.url
+    try:
+        # a timeout that every other reply beats on a loaded machine (0.3 s did not), the slow one cannot
+        kind, retryable, unreachable, set_aside, message = asyncio.run(_post_json_outcome(url, fault, 2.0))
+        assert (kind, retryable, unreachable) == TRANSPORT_FAULTS[fault]
+        assert set_aside == unreachable  # the pool sets aside exactly the servers that did not answer
+        if fault.startswith("http_"):
+            assert message.startswith(f"HTTP {fault[5:]}: ") and f"scripted {fault}" in message
+        if fault != "not_json":  # the openai client has no such error: 01b parsed its raw reply itself
+            assert asyncio.run(_openai_outcome(url, fault, 2.0)) == TRANSPORT_FAULTS[fault]
+    finally:
+        stub.close()
+
+
+def test_post_json_returns_the_reply_and_sends_the_api_key(monkeypatch):
+    stub = FaultStub()
+    try:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        assert asyncio.run(_post_json_outcome(stub.url, "", 5.0)) == _completion()
+        monkeypatch.setenv("VLLM_API_KEY", "k-123")
+        assert asyncio.run(_post_json_outcome(stub.url, "", 5.0)) == _completion()
+    finally:
+        stub.close()
+    assert stub.auth == [None, "Bearer k-123"]
