@@ -130,6 +130,7 @@ class OnlineBatches:
         self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
         self.rows_at_once = cfg.train.grad_accum + (device.type == "cuda")
+        self.pin = device.type == "cuda"  # pinned, as the offline DataLoader's: device_batches' copy is then async
         self.num_states = len(cfg.shared.aux_layer_ids) + 1
         # before any server starts (K2.5 loads for tens of minutes): full rows; ``epoch`` checks the real ones
         self.check_budget(hs_bytes_estimate(cfg.train.total_seq_len, 1, self.num_states, cfg.shared.hidden_size,
@@ -229,7 +230,10 @@ class OnlineBatches:
                 f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
                 f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
         self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
-        return self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
+        batch = self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
+        if self.pin:  # a pageable source would make the side-stream copy block the training loop (~0.1 s a row)
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return batch
 
     def step_done(self) -> None:
         """Deletes the files of the rows of the step just done (the step's grad_accum rows, the oldest handed out)."""

@@ -1,6 +1,7 @@
 #!/bin/bash
 # device call H (issue 18): 04 online vs offline on one H200 at K2.5 draft dims, extraction replayed from files
-# (bench/bench_online_gpu.py). Call I is the same with --online-first.
+# (bench/bench_online_gpu.py). Call H: before packing ahead; I (--online-first): packed ahead in a thread; J: packed
+# ahead into pinned memory (the code now).
 # Run from the root of a copy of the branch with the wheels in .whl/: bash bench/results/h200-2026-12-02/run_h.sh [--online-first]
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
