@@ -150,6 +150,14 @@ class DataDir:
         """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
 
+    def train_spool_eval_slot(self, rank: int, epoch: int, slot: int) -> Path:
+        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after ``epoch``."""
+        return self.train_spool_rank(rank) / f"epoch_{epoch}_eval_{slot}"
+
+    def train_spool_cache(self, rank: int) -> Path:
+        """train.cache_gb: the files hs_{i} of epoch 1 kept for later epochs (each checked again when reused)."""
+        return self.train_spool_rank(rank) / "cache"
+
     @property
     def train_online_errors(self) -> Path:
         """Samples an online epoch trained without, with the reason (one JSON line each, the epoch included)."""

@@ -70,10 +70,11 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
 
 
 def build_online_data(cfg: PipelineConfig, device: torch.device):
-    """(train_dataset, None, manifest) as ``train.build_data`` returns them, over the rows dataset of every input
-    row; the dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
+    """(train_dataset, held-out dataset or None, manifest) as ``train.build_data`` returns them, over the rows
+    dataset of every input row split as offline (``train.held_out_split``: the last eval_fraction of the rows are
+    held out); each dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
     from .extract import read_rows
-    from .train import _datasets_without_video, check_lengths_fit, states_reader, train_dtype
+    from .train import _datasets_without_video, check_lengths_fit, held_out_split, states_reader, train_dtype
     from .verifier import load_text_config
 
     _datasets_without_video()
@@ -93,11 +94,16 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
         save_hs_rows(dd.train_spool_rows, [(r.input_ids, r.loss_mask) for r in rows])
     if distributed:
         dist.barrier()
-    transfer, dataset_class, stored = states_reader(manifest, dd.train_spool_rank(0), train_dtype(device))
-    dataset = dataset_class(max_len=cfg.train.total_seq_len, datapath=str(dd.train_spool_rows), transfer=transfer,
-                            on_missing="warn", train_ratio=1.0, split="train", hidden_states_dtype=stored)
-    dataset.online_rows = rows  # (position, id, input_ids) of each dataset row, for the requests
-    return dataset, None, manifest
+    train_ratio = held_out_split(len(rows), cfg.train.eval_fraction)
+
+    def dataset(split: str):
+        transfer, dataset_class, stored = states_reader(manifest, dd.train_spool_rank(0), train_dtype(device))
+        out = dataset_class(max_len=cfg.train.total_seq_len, datapath=str(dd.train_spool_rows), transfer=transfer,
+                            on_missing="warn", train_ratio=train_ratio, split=split, hidden_states_dtype=stored)
+        out.online_rows = rows  # the input row of each file index (start_file_idx + dataset index), for the requests
+        return out
+
+    return dataset("train"), (dataset("val") if train_ratio < 1.0 else None), manifest
 
 
 @dataclass
@@ -105,27 +111,41 @@ class Slot:
     """One packed row of the rank's plan: its samples' files in their own spool folder."""
 
     epoch: int
-    index: int  # micro-step of the rank's epoch plan
-    samples: list[int]  # row indices of the rows dataset
+    index: int  # micro-step of the rank's epoch plan (held out: position in the rank's held-out rows)
+    samples: list[int]  # indices into ``dataset``
+    dataset: object  # the split the row packs (its file index of sample i: dataset.start_file_idx + i)
     folder: Path
     reserved: int  # upper bound of its files' bytes
+    held_out: bool = False  # a row of the evaluation after the epoch, not trained
     ready: threading.Event = field(default_factory=threading.Event)
     repeat: bool = False  # the step's first row again, weight 0 (train.rank_rows' placeholder): not counted
-    failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # sample: (reason, open: a transient failure)
+    failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # file index: (reason, open: transient)
     written: int = 0  # bytes of the files written
+    admitted_step: int = -1  # optimizer steps the run had finished when the prefetcher admitted the row
+
+    @property
+    def files(self) -> list[int]:
+        return [self.dataset.start_file_idx + i for i in self.samples]
 
 
 class OnlineBatches:
-    """The data-source seam, online (``train.OfflineBatches``' four methods): a prefetcher thread fills the spool
-    with the states of this rank's next packed rows; ``epoch`` hands out each row packed by the offline collate
-    once its files are there; ``step_done`` deletes the files of the step just trained."""
+    """The data-source seam, online (``train.OfflineBatches``' methods): a prefetcher thread fills the spool with
+    the states of this rank's next packed rows, the whole run's plan queued in order (``plan``: each epoch's rows,
+    then its held-out rows), so it keeps filling across epoch boundaries; ``epoch`` and ``evaluation`` hand out each
+    row packed by the offline collate once its files are there; ``step_done`` deletes the files of the step just
+    trained, an evaluation row's files go once it is packed."""
 
-    def __init__(self, cfg: PipelineConfig, dataset, manifest: HiddenStatesManifest, ranks, device: torch.device):
+    def __init__(self, cfg: PipelineConfig, dataset, manifest: HiddenStatesManifest, ranks, device: torch.device,
+                 val_dataset=None, eval_rows: list[list[int]] = ()):
         from .train import make_collate
 
         self.cfg, self.dataset, self.manifest, self.ranks = cfg, dataset, manifest, ranks
+        self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
         self.collate = make_collate(dataset, cfg)
+        self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
+        self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
+        self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
         self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
         self.rows_at_once = cfg.train.grad_accum + (device.type == "cuda")
@@ -155,8 +175,8 @@ class OnlineBatches:
 
     # ---- the training loop's side
 
-    def row_bytes(self, samples: list[int]) -> int:
-        lengths = self.dataset.approx_lengths
+    def row_bytes(self, samples: list[int], dataset=None) -> int:
+        lengths = (dataset or self.dataset).approx_lengths
         return hs_bytes_estimate(sum(lengths[i] for i in samples), len(samples), self.num_states,
                                  self.cfg.shared.hidden_size, self.cfg.extract.storage_dtype)
 
@@ -171,14 +191,55 @@ class OnlineBatches:
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
+    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool) -> list[Slot]:
+        dataset = self.val_dataset if held_out else self.dataset
+        folder = self.dd.train_spool_eval_slot if held_out else self.dd.train_spool_slot
+        return [Slot(epoch, k, list(r), dataset, folder(self.ranks.rank, epoch, k), self.row_bytes(r, dataset),
+                     held_out=held_out, repeat=r in rows[:k]) for k, r in enumerate(rows)]
+
+    def _queue(self, slots: list[Slot]) -> None:
+        """Hands ``slots`` to the prefetcher, after every slot queued before them."""
+        self.check_budget(max((s.reserved for s in slots), default=0))
+        for slot in slots:
+            # the epoch's samples (trained and held out) are the share --max-error-share is taken of
+            self.epochs.setdefault(slot.epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0,
+                                                "wait_s": 0.0, "total": 0, "held_out_extracted": 0})
+            self.epochs[slot.epoch]["total"] += 0 if slot.repeat else len(slot.samples)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+
+    def plan(self, epochs) -> None:
+        """Queues every row the run will read (``train.run_plan``), in the order the loop reads them: each epoch's
+        packed rows, then its held-out rows when it ends in an evaluation. The prefetcher admits them in that order
+        as the spool budget frees, so the next epoch's first rows are extracted while this one's last steps train."""
+        queued: list[Slot] = []
+        for p in epochs:
+            self.first_step[p.epoch] = p.first_step
+            rows = self._slots(p.epoch, p.rows, False)
+            held_out = (self._slots(p.epoch, self.eval_rows, True)
+                        if p.evaluates and self.val_dataset is not None else [])
+            self.planned[p.epoch] = (rows, held_out)
+            queued += rows + held_out
+        self.steps_done = epochs[0].first_step if epochs else 0
+        self._queue(queued)
+
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
-        self.check_budget(max((self.row_bytes(r) for r in rows), default=0))
-        slots = [Slot(epoch, k, list(r), self.dd.train_spool_slot(self.ranks.rank, epoch, k), self.row_bytes(r),
-                      repeat=r in rows[:k]) for k, r in enumerate(rows)]
-        self.epochs.setdefault(epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0, "wait_s": 0.0,
-                                       "total": len(self.dataset)})
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+        if epoch in self.planned:
+            slots = self.planned[epoch][0]
+            assert [s.samples for s in slots] == [list(r) for r in rows], "the epoch's rows differ from its plan"
+        else:
+            slots = self._slots(epoch, rows, False)
+            self._queue(slots)
+        return self._batches(slots)
+
+    def evaluation(self, epoch: int):
+        """The host batches of this rank's held-out rows, for the evaluation after ``epoch`` (as offline: the
+        held-out split's one packing, the rank's share)."""
+        if epoch in self.planned and self.planned[epoch][1]:
+            slots = self.planned[epoch][1]
+        else:
+            slots = self._slots(epoch, self.eval_rows, True)
+            self._queue(slots)
         return self._batches(slots)
 
     def _batches(self, slots: list[Slot]):
@@ -195,8 +256,9 @@ class OnlineBatches:
             for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
                 counts["open" if is_open else "dropped"] += 1
                 row = self.dataset.online_rows[i]
-                self.errors_log.write({"epoch": slot.epoch, **DroppedRow(
-                    self.manifest.input, i, f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
+                self.errors_log.write({"epoch": slot.epoch, **({"held_out": True} if slot.held_out else {}),
+                                       **DroppedRow(self.manifest.input, i,
+                                                    f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
             if counts["open"] > allowed:
                 from .train import SourceStopped
 
@@ -206,28 +268,42 @@ class OnlineBatches:
                     f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
                     f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
                     f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
-            counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
-            self.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
-            batch = self.collate([self.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
-            self.consumed.append(slot)
+            if not slot.held_out:
+                counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
+            slot.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
+            batch = self.collate([slot.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
+            if slot.held_out:
+                self._release(slot)  # read once, by the collate: no optimizer step to wait for
+            else:
+                self.consumed.append(slot)
             yield batch
+
+    def _release(self, slot: Slot) -> None:
+        shutil.rmtree(slot.folder, ignore_errors=True)
+        with self.lock:
+            self.reserved -= slot.reserved
+            self.on_disk -= slot.written
 
     def step_done(self) -> None:
         """Deletes the files of the rows of the step just done (the step's grad_accum rows, the oldest handed out)."""
         done, self.consumed = (self.consumed[:self.cfg.train.grad_accum],
                                self.consumed[self.cfg.train.grad_accum:])
         for slot in done:
-            shutil.rmtree(slot.folder, ignore_errors=True)
-            with self.lock:
-                self.reserved -= slot.reserved
-                self.on_disk -= slot.written
+            self._release(slot)
+        self.steps_done += 1
 
     def epoch_record(self, epoch: int) -> dict | None:
         c = self.epochs.get(epoch)
         if c is None:
             return None
+        rows = self.planned.get(epoch, ([], []))[0]
+        first = self.first_step.get(epoch, 0)
         return {"kind": "online", "epoch": epoch, "samples_trained": c["samples"], "samples_extracted": c["extracted"],
                 "samples_dropped": c["dropped"], "samples_open": c["open"], "extract_wait_s": c["wait_s"],
+                # the prefetch across the boundary: the epoch's rows admitted to the spool before its first step
+                # began (while the epoch before it trained), and the step count at its first row's admission
+                "rows_admitted_early": sum(s.admitted_step < first for s in rows),
+                "first_row_admitted_at_step": rows[0].admitted_step if rows else None, "first_step": first,
                 "spool_high_water_bytes": self.high_water, "spool_budget_bytes": self.budget,
                 "rank": self.ranks.rank}
 
@@ -301,6 +377,7 @@ class OnlineBatches:
                     with self.lock:
                         if self.reserved + slot.reserved <= self.budget:
                             self.reserved += slot.reserved
+                            slot.admitted_step = self.steps_done
                             break
                     await asyncio.sleep(WAIT_POLL_S)
                 if self.stopping:
@@ -315,9 +392,9 @@ class OnlineBatches:
     async def _fill(self, ex, slot: Slot, gate: asyncio.Semaphore) -> None:
         rows = self.dataset.online_rows
 
-        async def one(i: int) -> None:
+        async def one(i: int) -> None:  # i: the file index (the row of the rows dataset)
             async with gate:
-                path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for row i (FileTransfer)
+                path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for file i (FileTransfer)
                 outcome = await ex.one((i, rows[i].id, rows[i].input_ids), i, path=path)
             if outcome.entry is None:
                 slot.failed[i] = (f"{outcome.failure.kind}: {outcome.failure.message}", True)
@@ -329,10 +406,10 @@ class OnlineBatches:
                     slot.written += outcome.entry.bytes
                     self.on_disk += outcome.entry.bytes
                     self.high_water = max(self.high_water, self.on_disk)
-                    self.epochs[slot.epoch]["extracted"] += not slot.repeat
+                    self.epochs[slot.epoch]["held_out_extracted" if slot.held_out else "extracted"] += not slot.repeat
 
         try:
-            await asyncio.gather(*[one(i) for i in slot.samples])
+            await asyncio.gather(*[one(i) for i in slot.files])
         except Exception as e:  # noqa: BLE001 (a config error of the server: the training loop raises it)
             self.error = e
         slot.ready.set()

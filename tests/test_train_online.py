@@ -348,3 +348,69 @@ def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama
     for epoch in range(2):  # one process: the epoch's last micro-step re-reads a row at weight 0, not counted
         (online,) = [r for r in metrics(storage / "one", "online") if r["epoch"] == epoch]
         assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+
+
+# ---- features: held-out eval, epoch boundary, cache
+
+EVAL_FRACTION = 0.25  # 4 of the 16 rows held out (speculators' split: the last ones)
+
+
+@pytest.fixture(scope="module")
+def held_out_runs(storage, toy_llama, server, offline_runs):
+    """With a held-out split: offline on run a's hidden_states/ (the split is taken at read time, so the same
+    states), and online with a spool of 5 full rows: more than epoch 1's rows and its evaluation's take (4 + 1
+    rows of ~3.6 full rows' bytes), less than the run's, so the budget still decides when each row comes in."""
+    import shutil
+
+    offline = storage / "a_eval"
+    shutil.copytree(storage / "a", offline, ignore=shutil.ignore_patterns("checkpoints"))
+    run_train(make_cfg(offline, toy_llama, [server.url], eval_fraction=EVAL_FRACTION))
+    online = storage / "c_eval"
+    cfg = online_cfg(online, toy_llama, [server.url], eval_fraction=EVAL_FRACTION)
+    cfg.train.spool_gb = 5 * BYTES_PER_ROW / 1e9
+    sampler = SpoolSampler(DataDir(online).train_spool)
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    return offline, online, cfg.train.spool_gb * 1e9, sampler.most
+
+
+def test_online_evaluates_the_held_out_rows_as_offline(held_out_runs):
+    """The default held-out split works online: the held-out rows' states come through the spool (counted apart
+    from the trained ones, files gone after use) and the eval lines equal offline's, as do the train lines."""
+    offline, online, budget, most = held_out_runs
+    ev_off, ev_on = metrics(offline, "eval"), metrics(online, "eval")
+    assert [r["epoch"] for r in ev_on] == [r["epoch"] for r in ev_off] == [0, 1]
+    for a, b in zip(ev_off, ev_on):
+        assert a["step"] == b["step"]
+        assert {k: b[k] for k in a if k not in ("kind",)} == pytest.approx(
+            {k: v for k, v in a.items() if k != "kind"}, abs=1e-5)
+    assert [r["loss"] for r in metrics(online, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(offline, "train")], abs=1e-5)
+    held_out = round(NUM_ROWS * EVAL_FRACTION)
+    for rec in metrics(online, "online"):  # the trained rows only: the held-out ones are extracted apart
+        assert rec["samples_trained"] == rec["samples_extracted"] == NUM_ROWS - held_out
+    for rec in metrics(online, "rows"):
+        assert rec["samples"] == NUM_ROWS - held_out
+    assert 0 < most <= budget
+    assert not list(DataDir(online).train_spool.rglob("hs_*.safetensors"))
+
+
+def test_online_prefetch_crosses_the_epoch_boundary(held_out_runs):
+    """The run's whole plan is queued at start, so epoch 2's first rows enter the spool (the step count at their
+    admission, logged) before epoch 1's last step is done, within the budget, in order; each epoch trains every
+    row once (the rows and online records) and the curve is offline's."""
+    offline, online, budget, most = held_out_runs
+    first, second = sorted(metrics(online, "online"), key=lambda r: r["epoch"])
+    steps_epoch1 = len([r for r in metrics(online, "train") if r["epoch"] == 0])
+    assert second["first_step"] == steps_epoch1
+    assert second["first_row_admitted_at_step"] < steps_epoch1  # before epoch 1's last step finished
+    rows_epoch2 = [r for r in metrics(online, "rows") if r["epoch"] == 1][0]["packed_rows"]
+    # some of epoch 2 came early, not all: the budget, not the epoch, decided when
+    assert 1 <= second["rows_admitted_early"] < rows_epoch2
+    assert first["rows_admitted_early"] == 0 and first["first_row_admitted_at_step"] == 0
+    assert 0 < most <= budget
+    trained_once(online)
