@@ -28,6 +28,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -122,6 +123,8 @@ class Slot:
     failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # file index: (reason, open: transient)
     written: int = 0  # bytes of the files written
     admitted_step: int = -1  # optimizer steps the run had finished when the prefetcher admitted the row
+    keeps: set[int] = field(default_factory=set)  # file indices it extracts into the cache (train.cache_gb)
+    reuses: set[int] = field(default_factory=set)  # file indices it takes from the cache, kept by an earlier row
 
     @property
     def files(self) -> list[int]:
@@ -146,6 +149,14 @@ class OnlineBatches:
         self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
+        # train.cache_gb: the first row of the plan to read a sample extracts it into the cache while the cache's
+        # upper-bound bytes allow; every later row reading it links the cached file (checked again) into its folder
+        self.cache_budget = int(cfg.train.cache_gb * 1e9 / ranks.world)
+        self.cache_dir = self.dd.train_spool_cache(ranks.rank)
+        self.cache_reserved = self.cache_on_disk = self.cache_high_water = 0
+        self.cache_owner: dict[int, Slot] = {}  # file index: the slot that extracts it into the cache
+        self.cache_tried: dict[int, asyncio.Event] = {}  # file index: its first extraction has ended (loop thread)
+        self.cache_locks: dict[int, asyncio.Lock] = {}  # file index: one check or re-extraction at a time
         self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
         self.rows_at_once = cfg.train.grad_accum + (device.type == "cuda")
@@ -175,7 +186,7 @@ class OnlineBatches:
 
     # ---- the training loop's side
 
-    def row_bytes(self, samples: list[int], dataset=None) -> int:
+    def row_bytes(self, samples, dataset=None) -> int:
         lengths = (dataset or self.dataset).approx_lengths
         return hs_bytes_estimate(sum(lengths[i] for i in samples), len(samples), self.num_states,
                                  self.cfg.shared.hidden_size, self.cfg.extract.storage_dtype)
@@ -203,7 +214,8 @@ class OnlineBatches:
         for slot in slots:
             # the epoch's samples (trained and held out) are the share --max-error-share is taken of
             self.epochs.setdefault(slot.epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0,
-                                                "wait_s": 0.0, "total": 0, "held_out_extracted": 0})
+                                                "wait_s": 0.0, "total": 0, "held_out_extracted": 0,
+                                                "cached": 0})
             self.epochs[slot.epoch]["total"] += 0 if slot.repeat else len(slot.samples)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
 
@@ -219,8 +231,29 @@ class OnlineBatches:
                         if p.evaluates and self.val_dataset is not None else [])
             self.planned[p.epoch] = (rows, held_out)
             queued += rows + held_out
+        if self.cache_budget:
+            self._plan_cache(queued)
         self.steps_done = epochs[0].first_step if epochs else 0
         self._queue(queued)
+
+    def _plan_cache(self, slots: list[Slot]) -> None:
+        """Which row keeps which sample in the cache (in plan order, while its upper-bound bytes fit in this rank's
+        share of train.cache_gb), which rows reuse it; a row's spool reservation then covers only the rest."""
+        for slot in slots:
+            for i, f in zip(slot.samples, slot.files):
+                if f in self.cache_owner:
+                    slot.reuses.add(f)
+                    continue
+                need = self.row_bytes([i], slot.dataset)
+                if self.cache_reserved + need <= self.cache_budget:
+                    self.cache_owner[f] = slot
+                    slot.keeps.add(f)
+                    self.cache_reserved += need
+            slot.reserved = self.row_bytes([i for i, f in zip(slot.samples, slot.files)
+                                            if f not in slot.keeps | slot.reuses], slot.dataset)
+        log.info("online: train.cache_gb keeps %d samples (up to %.3f GB of %.3f GB for this rank); later epochs "
+                 "read them from %s", len(self.cache_owner), self.cache_reserved / 1e9, self.cache_budget / 1e9,
+                 self.cache_dir)
 
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
@@ -304,6 +337,8 @@ class OnlineBatches:
                 # began (while the epoch before it trained), and the step count at its first row's admission
                 "rows_admitted_early": sum(s.admitted_step < first for s in rows),
                 "first_row_admitted_at_step": rows[0].admitted_step if rows else None, "first_step": first,
+                "samples_from_cache": c["cached"], "cache_high_water_bytes": self.cache_high_water,
+                "cache_budget_bytes": self.cache_budget,
                 "spool_high_water_bytes": self.high_water, "spool_budget_bytes": self.budget,
                 "rank": self.ranks.rank}
 
@@ -390,11 +425,15 @@ class OnlineBatches:
             task.cancel()
 
     async def _fill(self, ex, slot: Slot, gate: asyncio.Semaphore) -> None:
-        rows = self.dataset.online_rows
+        from .extract_vllm import BadSample, check_file
 
-        async def one(i: int) -> None:  # i: the file index (the row of the rows dataset)
+        rows = self.dataset.online_rows
+        counts = self.epochs[slot.epoch]
+        counted = not slot.repeat
+
+        async def extract(i: int, path: Path) -> bool:
+            """Sample i's states into ``path`` through stage 02's request; False (listed in slot.failed) if none."""
             async with gate:
-                path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for file i (FileTransfer)
                 outcome = await ex.one((i, rows[i].id, rows[i].input_ids), i, path=path)
             if outcome.entry is None:
                 slot.failed[i] = (f"{outcome.failure.kind}: {outcome.failure.message}", True)
@@ -403,11 +442,58 @@ class OnlineBatches:
             else:
                 Path(f"{path}.lock").unlink(missing_ok=True)
                 with self.lock:
-                    slot.written += outcome.entry.bytes
-                    self.on_disk += outcome.entry.bytes
-                    self.high_water = max(self.high_water, self.on_disk)
-                    self.epochs[slot.epoch]["held_out_extracted" if slot.held_out else "extracted"] += not slot.repeat
+                    if path.parent == self.cache_dir:
+                        self.cache_on_disk += outcome.entry.bytes
+                        self.cache_high_water = max(self.cache_high_water, self.cache_on_disk)
+                    else:
+                        slot.written += outcome.entry.bytes
+                        self.on_disk += outcome.entry.bytes
+                        self.high_water = max(self.high_water, self.on_disk)
+                    counts["held_out_extracted" if slot.held_out else "extracted"] += counted
+                return True
+            return False
 
+        async def from_cache(i: int, path: Path, cached: Path) -> None:
+            """A sample another row kept: its file checked again as stage 02 checks a written one (a file changed
+            or gone since is extracted into the cache again), then linked into the row's folder."""
+            await self.cache_tried.setdefault(i, asyncio.Event()).wait()
+            async with self.cache_locks.setdefault(i, asyncio.Lock()):
+                old = cached.stat().st_size if cached.exists() else 0
+                try:
+                    size, finite = check_file(cached, rows[i].input_ids, list(self.cfg.shared.aux_layer_ids),
+                                              self.manifest.num_layers, self.cfg.shared.hidden_size,
+                                              self.cfg.extract.storage_dtype)
+                    ok = finite
+                except BadSample as e:
+                    ok = False
+                    if old:
+                        log.warning("online: cached %s fails its check (%s): extracting it again", cached, e)
+                if not ok:
+                    with self.lock:
+                        self.cache_on_disk -= old  # extract() deletes it first
+                    if not await extract(i, cached):
+                        return
+                else:
+                    with self.lock:
+                        counts["cached"] += counted
+                os.link(cached, path)
+
+        async def one(i: int) -> None:  # i: the file index (the row of the rows dataset)
+            path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for file i (FileTransfer)
+            cached = self.cache_dir / f"hs_{i}.safetensors"
+            if i in slot.reuses:
+                await from_cache(i, path, cached)
+            elif i in slot.keeps:
+                try:
+                    if await extract(i, cached):
+                        os.link(cached, path)
+                finally:
+                    self.cache_tried.setdefault(i, asyncio.Event()).set()
+            else:
+                await extract(i, path)
+
+        if slot.keeps:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
         try:
             await asyncio.gather(*[one(i) for i in slot.files])
         except Exception as e:  # noqa: BLE001 (a config error of the server: the training loop raises it)

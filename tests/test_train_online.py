@@ -358,8 +358,8 @@ EVAL_FRACTION = 0.25  # 4 of the 16 rows held out (speculators' split: the last 
 @pytest.fixture(scope="module")
 def held_out_runs(storage, toy_llama, server, offline_runs):
     """With a held-out split: offline on run a's hidden_states/ (the split is taken at read time, so the same
-    states), and online with a spool of 5 full rows: more than epoch 1's rows and its evaluation's take (4 + 1
-    rows of ~3.6 full rows' bytes), less than the run's, so the budget still decides when each row comes in."""
+    states), and online with a spool of 5 full rows' states: more than epoch 1's rows and its evaluation's take,
+    less than the run's, so the budget still decides when each row comes in."""
     import shutil
 
     offline = storage / "a_eval"
@@ -408,9 +408,87 @@ def test_online_prefetch_crosses_the_epoch_boundary(held_out_runs):
     steps_epoch1 = len([r for r in metrics(online, "train") if r["epoch"] == 0])
     assert second["first_step"] == steps_epoch1
     assert second["first_row_admitted_at_step"] < steps_epoch1  # before epoch 1's last step finished
-    rows_epoch2 = [r for r in metrics(online, "rows") if r["epoch"] == 1][0]["packed_rows"]
-    # some of epoch 2 came early, not all: the budget, not the epoch, decided when
-    assert 1 <= second["rows_admitted_early"] < rows_epoch2
+    assert second["first_row_admitted_at_step"] == 0 and second["rows_admitted_early"] >= 1
     assert first["rows_admitted_early"] == 0 and first["first_row_admitted_at_step"] == 0
-    assert 0 < most <= budget
+    # the run's states (both epochs' trained and held-out rows: offline's files of the same samples) exceed the
+    # budget, and the spool never held more than it: the queue runs ahead only as far as the budget lets it
+    dd = DataDir(offline)
+    run_bytes = 2 * sum(dd.hs_file(i).stat().st_size for i in range(NUM_ROWS))
+    assert 0 < most <= budget < run_bytes
+    assert second["spool_high_water_bytes"] <= budget
     trained_once(online)
+
+
+class DiskSampler(threading.Thread):
+    """Every few ms: the bytes the spool's sample files take on disk (each file once: the rows' folders hold hard
+    links to the cache's files) and the bytes of the cache folder alone; the largest of each seen."""
+
+    def __init__(self, spool: Path, cache: Path):
+        super().__init__(daemon=True)
+        self.spool, self.cache, self.most, self.most_cache, self.looks = spool, cache, 0, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            inodes, cache = {}, 0
+            for p in list(self.spool.rglob("hs_*.safetensors*")) if self.spool.exists() else []:
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                inodes[st.st_ino] = st.st_size
+                cache += st.st_size if p.parent == self.cache else 0
+            self.most, self.most_cache = max(self.most, sum(inodes.values())), max(self.most_cache, cache)
+            self.looks += 1
+            time.sleep(0.002)
+
+
+def cached_run(storage, toy_llama, server, name: str, cache_rows: float):
+    """An online run through a counting proxy with train.cache_gb of ``cache_rows`` full rows' states."""
+    proxy = FaultyProxy(server.url)
+    d = storage / name
+    cfg = online_cfg(d, toy_llama, [proxy.url], cache_gb=cache_rows * BYTES_PER_ROW / 1e9)
+    dd = DataDir(d)
+    sampler = DiskSampler(dd.train_spool, dd.train_spool_cache(0))
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        proxy.close()
+    return d, cfg, proxy.posts, sampler
+
+
+def test_a_cache_of_every_sample_extracts_once(storage, toy_llama, server, offline_runs):
+    """train.cache_gb holding all 16 samples: epoch 2 sends no extraction request (the proxy counts the server's
+    completions: the capture check's one and epoch 1's 16), reads every sample from the cache and trains offline's
+    steps; the cache and the whole spool stay within their budgets (sampled), and nothing is left at the end."""
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_all", NUM_ROWS)
+    first, second = sorted(metrics(d, "online"), key=lambda r: r["epoch"])
+    assert first["samples_extracted"] == NUM_ROWS and first["samples_from_cache"] == 0
+    assert second["samples_extracted"] == 0 and second["samples_from_cache"] == second["samples_trained"] == NUM_ROWS
+    assert posts == 1 + NUM_ROWS
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+    assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
+    assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
+    assert second["cache_high_water_bytes"] <= cfg.train.cache_gb * 1e9
+    assert not list(DataDir(d).train_spool.rglob("hs_*.safetensors"))
+
+
+def test_a_partial_cache_re_extracts_only_the_others(storage, toy_llama, server, offline_runs):
+    """train.cache_gb of two full rows' states (about half the samples): epoch 2 takes those from the cache and
+    extracts only the rest (the proxy's count: 1 + 16 + the rest), every row trained once, offline's steps; the
+    cache, sampled, never holds more than cache_gb."""
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_part", 2)
+    second = [r for r in metrics(d, "online") if r["epoch"] == 1][0]
+    cached, extracted = second["samples_from_cache"], second["samples_extracted"]
+    assert 0 < cached < NUM_ROWS and cached + extracted == second["samples_trained"] == NUM_ROWS
+    assert posts == 1 + NUM_ROWS + extracted
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+    assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
+    assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
