@@ -872,7 +872,7 @@ HS_FILE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # storage dtype -> safetens
 def read_hidden_states_header(path: Path) -> tuple[list[int], tuple[int, ...], str, dict[str, str]]:
     """(token ids, hidden_states shape, its safetensors dtype name, file metadata) of one sample file, without
     reading its states."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
@@ -882,7 +882,7 @@ def read_hidden_states_header(path: Path) -> tuple[list[int], tuple[int, ...], s
             states = f.get_slice(HS_KEY)
             return (f.get_tensor(HS_TOKEN_IDS_KEY).tolist(), tuple(states.get_shape()), states.get_dtype(),
                     f.metadata() or {})
-    except (OSError, ValueError, RuntimeError) as e:  # safetensors raises these for a truncated or foreign file
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a truncated, foreign or junk file
         raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
 
 

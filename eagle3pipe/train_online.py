@@ -156,6 +156,7 @@ class OnlineBatches:
         self.cache_reserved = self.cache_on_disk = self.cache_high_water = 0
         self.cache_owner: dict[int, Slot] = {}  # file index: the slot that extracts it into the cache
         self.cache_tried: dict[int, asyncio.Event] = {}  # file index: its first extraction has ended (loop thread)
+        self.cache_sizes: dict[int, int] = {}  # file index: the bytes of the file as written and checked
         self.cache_locks: dict[int, asyncio.Lock] = {}  # file index: one check or re-extraction at a time
         self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
@@ -444,6 +445,7 @@ class OnlineBatches:
                 with self.lock:
                     if path.parent == self.cache_dir:
                         self.cache_on_disk += outcome.entry.bytes
+                        self.cache_sizes[i] = outcome.entry.bytes
                         self.cache_high_water = max(self.cache_high_water, self.cache_on_disk)
                     else:
                         slot.written += outcome.entry.bytes
@@ -454,8 +456,9 @@ class OnlineBatches:
             return False
 
         async def from_cache(i: int, path: Path, cached: Path) -> None:
-            """A sample another row kept: its file checked again as stage 02 checks a written one (a file changed
-            or gone since is extracted into the cache again), then linked into the row's folder."""
+            """A sample another row kept: its file checked again as stage 02 checks a written one, and its size
+            against the one written (a file changed or gone since is extracted into the cache again), then linked
+            into the row's folder."""
             await self.cache_tried.setdefault(i, asyncio.Event()).wait()
             async with self.cache_locks.setdefault(i, asyncio.Lock()):
                 old = cached.stat().st_size if cached.exists() else 0
@@ -463,7 +466,7 @@ class OnlineBatches:
                     size, finite = check_file(cached, rows[i].input_ids, list(self.cfg.shared.aux_layer_ids),
                                               self.manifest.num_layers, self.cfg.shared.hidden_size,
                                               self.cfg.extract.storage_dtype)
-                    ok = finite
+                    ok = finite and size == self.cache_sizes.get(i)  # check_file reads no states: a cut tail
                 except BadSample as e:
                     ok = False
                     if old:

@@ -506,3 +506,31 @@ def test_a_partial_cache_re_extracts_only_the_others(storage, toy_llama, server,
         [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
     assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
     assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
+
+
+def test_a_cached_file_that_changed_is_extracted_again_not_used(storage, toy_llama, server, offline_runs,
+                                                                 monkeypatch):
+    """The cache is never trusted blindly: right after epoch 1's row links sample 0's cached file (so epoch 1 trains
+    the good one), the cache's file is replaced by junk (a new file, as a disk or a person might leave it); epoch 2's
+    check refuses it and extracts sample 0 again (one completion more), and the loss curve is still offline's."""
+    import os
+
+    real_link, swapped = os.link, []
+
+    def link(src, dst, *args, **kwargs):
+        real_link(src, dst, *args, **kwargs)
+        if Path(src).name == "hs_0.safetensors" and Path(src).parent.name == "cache" and not swapped:
+            junk = Path(f"{src}.junk")
+            junk.write_bytes(b"\0" * 4096)
+            os.replace(junk, src)  # the row's link keeps the good file
+            swapped.append(src)
+
+    monkeypatch.setattr(os, "link", link)
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_junk", NUM_ROWS)
+    assert swapped
+    second = [r for r in metrics(d, "online") if r["epoch"] == 1][0]
+    assert second["samples_extracted"] == 1 and second["samples_from_cache"] == NUM_ROWS - 1
+    assert posts == capture_check_posts(offline_runs) + NUM_ROWS + 1
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
