@@ -496,6 +496,10 @@ class OfflineBatches:
         """The host batches of this rank's held-out rows, for the evaluation after ``epoch``."""
         return self.val_loader
 
+    def stop_reason(self) -> str | None:
+        """Why the source cannot give the next step's rows (``SourceStopped``'s message), or None: offline, never."""
+        return None
+
     def step_done(self) -> None:
         """The optimizer step that used the batches handed out so far is done."""
 
@@ -509,7 +513,29 @@ class OfflineBatches:
 
 class SourceStopped(Exception):
     """The data source cannot go on (online: no server answers, or more samples failed than allowed): 04 saves a
-    checkpoint at the last finished step and stops, naming --resume."""
+    checkpoint at the last finished step and stops, naming --resume. ``agreed``: every rank stops at this step
+    (``agree_stop``), so the save, a collective, can run."""
+
+    def __init__(self, message: str, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+def agree_stop(source, ranks: Ranks) -> None:
+    """Before a step: raises SourceStopped on every rank when any rank's source would stop in it (one small
+    all_gather a step, online under torchrun only), so all ranks save the same checkpoint together instead of one
+    leaving the others in the step's gradient all-reduce."""
+    reason = source.stop_reason()
+    if ranks.distributed and isinstance(source, OfflineBatches):
+        return
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        reasons = [None] * ranks.world
+        dist.all_gather_object(reasons, reason)
+        reason = next((m if r == ranks.rank else f"rank {r}: {m}" for r, m in enumerate(reasons) if m), None)
+    if reason is not None:
+        raise SourceStopped(reason, agreed=True)
 
 
 def make_batches(cfg: PipelineConfig, train_ds, val_ds, manifest, ranks: Ranks, device: torch.device):
@@ -791,6 +817,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             batches = device_batches(source.epoch(epoch, plans[epoch].rows), device, dtype, waited)
             for step_in_epoch in range(start, steps_per_epoch[epoch]):
                 present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
+                agree_stop(source, ranks)
                 optimizer.zero_grad(set_to_none=True)
                 sums, skipped = None, 0
                 for micro in range(accum):
@@ -870,12 +897,14 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         if metrics_log is not None:
             metrics_log.close()
             metrics_log = None
-        if ranks.distributed:  # a save is a collective the other ranks, mid-step, would never join: torchrun ends them
+        if ranks.distributed and not e.agreed:  # a save is a collective the other ranks, mid-step, would never
+            # join: torchrun ends them
             raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
                              "torchrun command with --resume once a server answers") from None
-        save(state)  # the last finished step: nothing of the unfinished one was applied
-        raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun 04_train.py "
-                         "with the same flags and --resume once a server answers") from None
+        save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
+        again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
+        raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun {again} "
+                         "--resume once a server answers") from None
     finally:
         source.close()
         if metrics_log is not None:

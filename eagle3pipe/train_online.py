@@ -123,6 +123,7 @@ class Slot:
     failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # file index: (reason, open: transient)
     written: int = 0  # bytes of the files written
     admitted_step: int = -1  # optimizer steps the run had finished when the prefetcher admitted the row
+    listed: bool = False  # its failures are counted and in online_errors.jsonl
     keeps: set[int] = field(default_factory=set)  # file indices it extracts into the cache (train.cache_gb)
     reuses: set[int] = field(default_factory=set)  # file indices it takes from the cache, kept by an earlier row
 
@@ -149,6 +150,8 @@ class OnlineBatches:
         self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
+        self.current: list[Slot] = []  # the epoch's rows being handed out, and how many were
+        self.handed = 0
         # train.cache_gb: the first row of the plan to read a sample extracts it into the cache while the cache's
         # upper-bound bytes allow; every later row reading it links the cached file (checked again) into its folder
         self.cache_budget = int(cfg.train.cache_gb * 1e9 / ranks.world)
@@ -264,6 +267,7 @@ class OnlineBatches:
         else:
             slots = self._slots(epoch, rows, False)
             self._queue(slots)
+        self.current, self.handed = slots, 0  # stop_reason's view of the rows handed out next
         return self._batches(slots)
 
     def evaluation(self, epoch: int):
@@ -276,33 +280,62 @@ class OnlineBatches:
             self._queue(slots)
         return self._batches(slots)
 
+    def _wait(self, slot: Slot, counts: dict) -> None:
+        t0 = time.monotonic()
+        while not slot.ready.wait(0.5):
+            if self.error is not None:
+                raise self.error
+        counts["wait_s"] += time.monotonic() - t0
+        if self.error is not None:
+            raise self.error
+
+    def _list_failures(self, slot: Slot, counts: dict) -> None:
+        for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat and not slot.listed else ():
+            counts["open" if is_open else "dropped"] += 1
+            row = self.dataset.online_rows[i]
+            self.errors_log.write({"epoch": slot.epoch, **({"held_out": True} if slot.held_out else {}),
+                                   **DroppedRow(self.manifest.input, i,
+                                                f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
+        slot.listed = True
+
+    def _stop_message(self, slot: Slot, counts: dict, allowed: int) -> str:
+        i = next(i for i, (_, o) in slot.failed.items() if o)
+        return (f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
+                f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
+                f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
+                f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
+
+    def stop_reason(self) -> str | None:
+        """Waits for the rows this rank hands out next (the step's, and on CUDA the one copied during it) and says
+        whether handing them out would stop the source (SourceStopped's message; their failures are then listed),
+        or None. Under torchrun every rank asks before each step and all stop at the same step (``train``)."""
+        window = self.current[self.handed:self.handed + self.rows_at_once]
+        if not window:
+            return None
+        counts = self.epochs[window[0].epoch]
+        allowed = errors_allowed(self.cfg.extract.max_error_share, counts["total"])
+        opened = counts["open"]
+        for k, slot in enumerate(window):
+            self._wait(slot, counts)
+            opened += 0 if slot.repeat or slot.listed else sum(o for _, o in slot.failed.values())
+            if opened > allowed:
+                for earlier in window[:k + 1]:
+                    self._list_failures(earlier, counts)
+                return self._stop_message(slot, counts, allowed)
+        return None
+
     def _batches(self, slots: list[Slot]):
         counts = self.epochs[slots[0].epoch] if slots else {}
         allowed = errors_allowed(self.cfg.extract.max_error_share, counts.get("total", 0))
         for slot in slots:
-            t0 = time.monotonic()
-            while not slot.ready.wait(0.5):
-                if self.error is not None:
-                    raise self.error
-            counts["wait_s"] += time.monotonic() - t0
-            if self.error is not None:
-                raise self.error
-            for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat else ():
-                counts["open" if is_open else "dropped"] += 1
-                row = self.dataset.online_rows[i]
-                self.errors_log.write({"epoch": slot.epoch, **({"held_out": True} if slot.held_out else {}),
-                                       **DroppedRow(self.manifest.input, i,
-                                                    f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
+            self._wait(slot, counts)
+            self._list_failures(slot, counts)
             if counts["open"] > allowed:
                 from .train import SourceStopped
 
-                i = next(i for i, (_, o) in slot.failed.items() if o)
-                raise SourceStopped(
-                    f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
-                    f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
-                    f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
-                    f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
+                raise SourceStopped(self._stop_message(slot, counts, allowed))
             if not slot.held_out:
+                self.handed += 1
                 counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
             slot.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
             batch = self.collate([slot.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline

@@ -534,3 +534,47 @@ def test_a_cached_file_that_changed_is_extracted_again_not_used(storage, toy_lla
     trained_once(d)
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
         [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+
+
+def test_two_ranks_stop_together_with_one_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
+    """2 torchrun ranks, their one server stops answering in epoch 2: every rank stops at the same step (each asks
+    its source before a step, all_gather), one checkpoint at the last finished step is saved and each rank's error
+    names it and --resume; the resumed job, the server back, ends on the curve of 1 process x grad_accum 2."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+
+    ref = online_cfg(storage / "stop_ref", toy_llama, [server.url], grad_accum=2)
+    run_train(ref)
+    proxy = FaultyProxy(server.url, down_after=capture_check_posts(offline_runs) + NUM_ROWS + 4)
+    d = storage / "ddp_stop"
+    cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
+    config = storage / "ddp_stop.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(repo / "04_train.py"), "--config", str(config)]
+    try:
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0
+        stops = re.findall(r"error: .*not extracted after 2 attempts.*Checkpoint (\S+) \(step (\d+)\): rerun the same "
+                           r"torchrun command with --resume", done.stderr)
+        assert len(stops) == 2, done.stderr[-3000:]  # both ranks, the same checkpoint
+        assert stops[0] == stops[1]
+        stopped_at = int(stops[0][1])
+        dd = DataDir(d)
+        assert stopped_at == max(r["step"] for r in metrics(d, "train")) and dd.checkpoint_step(stopped_at).exists()
+        assert not dd.final_checkpoint.exists()
+        proxy.up()
+        done = subprocess.run(cmd + ["--resume"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        proxy.close()
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "stop_ref", "train")], abs=1e-5)
