@@ -9,16 +9,21 @@ rows in the same order. The states come from the servers stage 02 starts (``extr
 lock wait, ``check_file``, retries, ``ServerPool`` routing around a server that stops answering), and the capture
 check (``extract_vllm.check_capture``) runs on every server before the first step.
 
-A background thread runs an asyncio loop that walks this rank's packed rows in training order and extracts each
-row's samples into its own folder of the spool (``DataDir.train_spool_slot``) while the rank's share of
-``train.spool_gb`` allows (a row is admitted when the upper bound of its files' bytes fits beside the rows already
-admitted); the training loop waits for a row's files, packs it, trains, and deletes the files of a step once that
-optimizer step is done. Each epoch re-extracts.
+A background thread runs an asyncio loop that walks this rank's packed rows of the whole run in the order the loop
+reads them (``plan``: each epoch's rows, then its held-out rows when it is evaluated, so the spool keeps filling
+across epoch boundaries) and extracts each row's samples into its own folder of the spool
+(``DataDir.train_spool_slot``) while the rank's share of ``train.spool_gb`` allows (a row is admitted when the upper
+bound of its files' bytes fits beside the rows already admitted); the training loop waits for a row's files, packs
+it, trains, and deletes the files of a step once that optimizer step is done (a held-out row's once it is packed).
+Each epoch re-extracts, except the samples ``train.cache_gb`` keeps: the first row of the plan to read a sample
+extracts it into the cache (``DataDir.train_spool_cache``) while the cache's share allows, and later rows hard-link
+the cached file into their folder after checking it again (stage 02's ``check_file`` and its written size).
 
 What a failure becomes (stage 02's rules): a sample whose file keeps failing its content check, or whose states are
 not finite, is trained without and listed (``DataDir.train_online_errors``); a sample a transient failure leaves
 open after every retry (no server answers) is listed too, and once more of them than ``--max-error-share`` of the
-epoch's samples are open, 04 saves a checkpoint at the last finished step and stops naming ``--resume``. A resume
+epoch's samples are open, 04 saves a checkpoint at the last finished step and stops naming ``--resume`` (under
+torchrun every rank asks ``stop_reason`` before a step, so all stop there and the save, a collective, runs). A resume
 starts from the checkpoint's step with an empty spool (nothing from before is trusted).
 """
 

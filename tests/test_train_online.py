@@ -11,7 +11,12 @@
   offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
 - a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
   with the uninterrupted run's loss curve and draft;
-- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2.
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2;
+- the held-out split online: eval lines equal offline's; the whole plan queued at start: epoch 2's first row enters
+  the spool before epoch 1's last step, within a budget smaller than the run's states;
+- train.cache_gb: a cache of every sample sends no completion in epoch 2, a partial one only the others' (the
+  proxy counts), within cache_gb; a cached file that changed is extracted again;
+- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume finishes.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
 of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
