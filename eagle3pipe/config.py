@@ -153,6 +153,8 @@ class TrainConfig:
     data_source: str = "offline"  # "offline" (hidden_states/ from stage 02) or "online" (states extracted as training
     # goes, by stage 02's vLLM servers: extract.server_args or --extract-url, into a spool of train.spool_gb)
     spool_gb: float = 8.0  # online: disk (GB, all ranks together) the states of the upcoming rows may take
+    cache_gb: float = 0.0  # online: disk (GB, all ranks together) that keeps epoch 1's states for later epochs
+    # ("hybrid": those samples are not extracted again; disk stays within spool_gb + cache_gb); 0 = re-extract all
 
 
 @dataclass
@@ -270,12 +272,15 @@ class PipelineConfig:
                                   "min_free_gb >= 0")
             if t.data_source not in ("offline", "online"):
                 raise ConfigError(f"train.data_source must be 'offline' or 'online', got {t.data_source!r}")
+            if t.cache_gb and t.data_source != "online":
+                raise ConfigError(f"train.cache_gb {t.cache_gb:g}: a cache of extracted states applies to "
+                                  "train.data_source online only (offline reads hidden_states/)")
             if t.data_source == "online":
-                if t.spool_gb <= 0:
-                    raise ConfigError(f"train.spool_gb must be > 0 online, got {t.spool_gb}")
-                if t.eval_fraction > 0:
-                    raise ConfigError("train.data_source online trains on every row: pass --eval-fraction 0 (the "
-                                      "held-out evaluation reads stored states; 05 evaluates the draft)")
+                if not 0 < t.spool_gb < float("inf"):
+                    raise ConfigError(f"train.spool_gb must be a finite number of GB > 0 online, got {t.spool_gb}")
+                if not 0 <= t.cache_gb < float("inf"):
+                    raise ConfigError(f"train.cache_gb must be a finite number of GB >= 0 (0 = no cache), got "
+                                      f"{t.cache_gb}")
                 if self.extract.input not in ("synthetic", "prepared"):
                     raise ConfigError(f"extract.input must be 'synthetic' or 'prepared', got {self.extract.input!r}")
                 self._validate_extract_backend(online=True)

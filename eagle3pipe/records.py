@@ -150,6 +150,14 @@ class DataDir:
         """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
 
+    def train_spool_eval_slot(self, rank: int, epoch: int, slot: int) -> Path:
+        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after ``epoch``."""
+        return self.train_spool_rank(rank) / f"epoch_{epoch}_eval_{slot}"
+
+    def train_spool_cache(self, rank: int) -> Path:
+        """train.cache_gb: the files hs_{i} of epoch 1 kept for later epochs (each checked again when reused)."""
+        return self.train_spool_rank(rank) / "cache"
+
     @property
     def train_online_errors(self) -> Path:
         """Samples an online epoch trained without, with the reason (one JSON line each, the epoch included)."""
@@ -864,7 +872,7 @@ HS_FILE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # storage dtype -> safetens
 def read_hidden_states_header(path: Path) -> tuple[list[int], tuple[int, ...], str, dict[str, str]]:
     """(token ids, hidden_states shape, its safetensors dtype name, file metadata) of one sample file, without
     reading its states."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
@@ -874,7 +882,7 @@ def read_hidden_states_header(path: Path) -> tuple[list[int], tuple[int, ...], s
             states = f.get_slice(HS_KEY)
             return (f.get_tensor(HS_TOKEN_IDS_KEY).tolist(), tuple(states.get_shape()), states.get_dtype(),
                     f.metadata() or {})
-    except (OSError, ValueError, RuntimeError) as e:  # safetensors raises these for a truncated or foreign file
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a truncated, foreign or junk file
         raise FormatError(f"{path}: not a readable safetensors file ({e})") from None
 
 

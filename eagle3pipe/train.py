@@ -308,20 +308,26 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
     transfer, dataset_class, stored = states_reader(manifest, dd.hs_files, train_dtype(device))
-    n = manifest.num_samples
-    train_ratio = 1.0 - t.eval_fraction
-    has_val = t.eval_fraction > 0 and int(n * train_ratio) < n and int(n * train_ratio) > 0
-    if t.eval_fraction > 0 and not has_val:
-        log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * t.eval_fraction)
+    train_ratio = held_out_split(manifest.num_samples, t.eval_fraction)
 
     def dataset(split: str):
         return dataset_class(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
-                             on_missing="raise", train_ratio=train_ratio if has_val else 1.0, split=split,
-                             hidden_states_dtype=stored)
+                             on_missing="raise", train_ratio=train_ratio, split=split, hidden_states_dtype=stored)
 
-    train_ds, val_ds = dataset("train"), (dataset("val") if has_val else None)
+    train_ds, val_ds = dataset("train"), (dataset("val") if train_ratio < 1.0 else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
     return train_ds, val_ds, manifest
+
+
+def held_out_split(n: int, eval_fraction: float) -> float:
+    """speculators' train_ratio for ``n`` samples: the first int(n x ratio) train, the rest are held out (1.0 = none,
+    with a warning when ``eval_fraction`` asked for some but ``n`` is too small for either side to be non-empty)."""
+    ratio = 1.0 - eval_fraction
+    if eval_fraction > 0 and 0 < int(n * ratio) < n:
+        return ratio
+    if eval_fraction > 0:
+        log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * eval_fraction)
+    return 1.0
 
 
 def states_reader(manifest, files: Path, dtype: torch.dtype):
@@ -442,17 +448,57 @@ def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> list:
     return [b.tolist() for b in sampler._generate_batches(epoch)]  # noqa: SLF001 (its public iterator hides epoch)
 
 
+@dataclass
+class EpochPlan:
+    """What this rank will read of one epoch, known before the run starts (the packing is seeded per epoch)."""
+
+    epoch: int
+    plan: list[tuple[int, bool]]  # rank_rows of the epoch, cut where train.max_steps ends the run
+    rows: list[list[int]]  # the packed rows of ``plan``, one per micro-step
+    evaluates: bool  # the epoch ends, so the held-out rows are evaluated after it
+    first_step: int  # optimizer steps done (the run's count) when the epoch's first step begins
+
+
+def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: int, accum: int,
+             rank: int) -> list[EpochPlan]:
+    """Every epoch the run trains from ``state`` on, as the loop will train it: the epoch where ``max_steps`` stops
+    the run is cut there and not evaluated (the loop stops at the cap before the evaluation)."""
+    out, step = [], state.step
+    for e in range(state.epoch, len(epoch_batches)):
+        rows = epoch_batches[e]
+        plan = rank_rows(len(rows), world, accum, rank, state.batches_done if e == state.epoch else 0)
+        steps = len(plan) // accum
+        if max_steps and steps >= max_steps - step:
+            plan = plan[:max(0, max_steps - step) * accum]
+            out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], False, step))
+            break
+        out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], True, step))
+        step += steps
+    return out
+
+
 class OfflineBatches:
     """The data-source seam, offline: an epoch's packed rows read from hidden_states/ by the DataLoader. The online
-    source (train_online.OnlineBatches) has the same four methods."""
+    source (train_online.OnlineBatches) has the same methods."""
 
-    def __init__(self, loader, sampler: EpochBatches):
-        self.loader, self.sampler = loader, sampler
+    def __init__(self, loader, sampler: EpochBatches, val_loader=None):
+        self.loader, self.sampler, self.val_loader = loader, sampler, val_loader
+
+    def plan(self, epochs: list[EpochPlan]) -> None:
+        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself)."""
 
     def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
         self.sampler.set(rows)
         return self.loader
+
+    def evaluation(self, epoch: int):  # noqa: ARG002
+        """The host batches of this rank's held-out rows, for the evaluation after ``epoch``."""
+        return self.val_loader
+
+    def stop_reason(self) -> str | None:
+        """Why the source cannot give the next step's rows (``SourceStopped``'s message), or None: offline, never."""
+        return None
 
     def step_done(self) -> None:
         """The optimizer step that used the batches handed out so far is done."""
@@ -467,18 +513,47 @@ class OfflineBatches:
 
 class SourceStopped(Exception):
     """The data source cannot go on (online: no server answers, or more samples failed than allowed): 04 saves a
-    checkpoint at the last finished step and stops, naming --resume."""
+    checkpoint at the last finished step and stops, naming --resume. ``agreed``: every rank stops at this step
+    (``agree_stop``), so the save, a collective, can run."""
+
+    def __init__(self, message: str, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
-def make_batches(cfg: PipelineConfig, train_ds, manifest, ranks: Ranks, device: torch.device):
-    """The epoch batches of train.data_source: offline, the DataLoader over hidden_states/; online, the states
-    extracted into the spool as training goes (train_online.py)."""
+def agree_stop(source, ranks: Ranks) -> None:
+    """Before a step: raises SourceStopped on every rank when any rank's source would stop in it (one small
+    all_gather a step, online under torchrun only), so all ranks save the same checkpoint together instead of one
+    leaving the others in the step's gradient all-reduce."""
+    reason = source.stop_reason()
+    if ranks.distributed and isinstance(source, OfflineBatches):
+        return
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        reasons = [None] * ranks.world
+        dist.all_gather_object(reasons, reason)
+        reason = next((m if r == ranks.rank else f"rank {r}: {m}" for r, m in enumerate(reasons) if m), None)
+    if reason is not None:
+        raise SourceStopped(reason, agreed=True)
+
+
+def make_batches(cfg: PipelineConfig, train_ds, val_ds, manifest, ranks: Ranks, device: torch.device):
+    """The epoch and evaluation batches of train.data_source: offline, DataLoaders over hidden_states/; online, the
+    states extracted into the spool as training goes (train_online.py). Each rank evaluates its share of the
+    held-out rows (one packing, the same every epoch); the sums are all-reduced."""
+    eval_rows = (packed_batches(val_ds, cfg.train.total_seq_len, cfg.shared.seed, 0)[ranks.rank::ranks.world]
+                 if val_ds is not None else [])
     if cfg.train.data_source == "online":
         from .train_online import OnlineBatches
 
-        return OnlineBatches(cfg, train_ds, manifest, ranks, device)
-    sampler = EpochBatches()
-    return OfflineBatches(make_loader(train_ds, sampler, cfg, device), sampler)
+        return OnlineBatches(cfg, train_ds, manifest, ranks, device, val_ds, eval_rows)
+    sampler, val_loader = EpochBatches(), None
+    if val_ds is not None:
+        val_sampler = EpochBatches()
+        val_sampler.set(eval_rows)
+        val_loader = make_loader(val_ds, val_sampler, cfg, device)
+    return OfflineBatches(make_loader(train_ds, sampler, cfg, device), sampler, val_loader)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -703,13 +778,10 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     loss_config = resolve_loss_config(LOSS_NAME, "eager")
     call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
     keys = metric_keys(t.ttt_steps)
-    val_sampler = EpochBatches()
-    source = make_batches(cfg, train_ds, manifest, ranks, device)  # online: servers up, capture checked
-    val_loader = None
-    if val_ds is not None:  # each rank evaluates its share of the held-out rows; the sums are all-reduced
-        val_sampler.set(packed_batches(val_ds, t.total_seq_len, s.seed, 0)[ranks.rank::world])
-        val_loader = make_loader(val_ds, val_sampler, cfg, device)
+    source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
+    plans = {p.epoch: p for p in run_plan(epoch_batches, state, t.max_steps, world, accum, ranks.rank)}
+    source.plan(list(plans.values()))  # online: the spool fills across epoch boundaries
     log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
              "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
              "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
@@ -740,11 +812,12 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         for epoch in range(state.epoch, t.epochs):
             rows = epoch_batches[epoch]
             start = state.batches_done if epoch == state.epoch else 0
-            plan = rank_rows(len(rows), world, accum, ranks.rank, start)
+            plan = plans[epoch].plan
             trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
-            batches = device_batches(source.epoch(epoch, [rows[i] for i, _ in plan]), device, dtype, waited)
+            batches = device_batches(source.epoch(epoch, plans[epoch].rows), device, dtype, waited)
             for step_in_epoch in range(start, steps_per_epoch[epoch]):
                 present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
+                agree_stop(source, ranks)
                 optimizer.zero_grad(set_to_none=True)
                 sums, skipped = None, 0
                 for micro in range(accum):
@@ -812,9 +885,9 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                          "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
                          "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
                          len(rows) - record["from_row"])
-            if val_loader is not None:
-                ev_sums = evaluate_sums(model, device_batches(val_loader, device, dtype), autocast, call_kwargs, keys,
-                                        device)
+            if val_ds is not None:
+                ev_sums = evaluate_sums(model, device_batches(source.evaluation(epoch), device, dtype), autocast,
+                                        call_kwargs, keys, device)
                 ev = summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0], t.ttt_steps)
                 if ranks.main:
                     metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
@@ -824,12 +897,14 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         if metrics_log is not None:
             metrics_log.close()
             metrics_log = None
-        if ranks.distributed:  # a save is a collective the other ranks, mid-step, would never join: torchrun ends them
+        if ranks.distributed and not e.agreed:  # a save is a collective the other ranks, mid-step, would never
+            # join: torchrun ends them
             raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
                              "torchrun command with --resume once a server answers") from None
-        save(state)  # the last finished step: nothing of the unfinished one was applied
-        raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun 04_train.py "
-                         "with the same flags and --resume once a server answers") from None
+        save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
+        again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
+        raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun {again} "
+                         "--resume once a server answers") from None
     finally:
         source.close()
         if metrics_log is not None:

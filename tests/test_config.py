@@ -118,7 +118,8 @@ def test_validate_names_the_missing_flag():
 
 def test_online_training_flags_and_their_start_checks(tmp_path):
     """04 takes --data-source, --spool-gb and stage 02's --extract-url (one setting: extract.extract_url); online
-    refuses a held-out split (it reads stored states), an empty spool and a URL with /v1 before any work."""
+    refuses an empty or endless spool, a negative or endless cache (--cache-gb; offline it is refused) and a URL with
+    /v1 before any work; a held-out split is taken online as offline (the default 0.05 passes)."""
     base = ["--data-dir", str(tmp_path), "--verifier", str(tmp_path), "--data-source", "online", "--eval-fraction",
             "0", "--total-seq-len", "256", "--max-seq-len", "256"]
     cfg = parse_stage_args("train", base + ["--spool-gb", "2.5", "--extract-url", "http://a:8000", "http://b:8000"])
@@ -126,7 +127,11 @@ def test_online_training_flags_and_their_start_checks(tmp_path):
     assert cfg.extract.extract_url == ["http://a:8000", "http://b:8000"]
     with pytest.raises(SystemExit):  # only the borrowed flag: 02's other flags are not 04's
         parse_stage_args("train", base + ["--concurrency", "3"])
-    for flags, fragment in ((["--eval-fraction", "0.1"], "--eval-fraction 0"), (["--spool-gb", "0"], "spool_gb"),
+    assert parse_stage_args("train", base + ["--eval-fraction", "0.05", "--cache-gb", "3"]).train.cache_gb == 3.0
+    for flags, fragment in ((["--spool-gb", "0"], "spool_gb"), (["--spool-gb", "inf"], "spool_gb"),
+                            (["--cache-gb", "-1"], "train.cache_gb"), (["--cache-gb", "nan"], "train.cache_gb"),
+                            (["--cache-gb", "inf"], "train.cache_gb"),
+                            (["--data-source", "offline", "--cache-gb", "2"], "train.cache_gb 2: .* online only"),
                             (["--extract-url", "http://a:8000/v1"], "without /v1"),
                             (["--data-source", "stream"], "data_source")):
         with pytest.raises(ConfigError, match=fragment):

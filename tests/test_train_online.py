@@ -11,7 +11,12 @@
   offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
 - a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
   with the uninterrupted run's loss curve and draft;
-- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2.
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2;
+- the held-out split online: eval lines equal offline's; the whole plan queued at start: epoch 2's first row enters
+  the spool before epoch 1's last step, within a budget smaller than the run's states;
+- train.cache_gb: a cache of every sample sends no completion in epoch 2, a partial one only the others' (the
+  proxy counts), within cache_gb; a cached file that changed is extracted again;
+- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume finishes.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
 of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
@@ -348,3 +353,233 @@ def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama
     for epoch in range(2):  # one process: the epoch's last micro-step re-reads a row at weight 0, not counted
         (online,) = [r for r in metrics(storage / "one", "online") if r["epoch"] == epoch]
         assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+
+
+# ---- features: held-out eval, epoch boundary, cache
+
+EVAL_FRACTION = 0.25  # 4 of the 16 rows held out (speculators' split: the last ones)
+
+
+@pytest.fixture(scope="module")
+def held_out_runs(storage, toy_llama, server, offline_runs):
+    """With a held-out split: offline on run a's hidden_states/ (the split is taken at read time, so the same
+    states), and online with a spool of 5 full rows' states: more than epoch 1's rows and its evaluation's take,
+    less than the run's, so the budget still decides when each row comes in."""
+    import shutil
+
+    offline = storage / "a_eval"
+    shutil.copytree(storage / "a", offline, ignore=shutil.ignore_patterns("checkpoints"))
+    run_train(make_cfg(offline, toy_llama, [server.url], eval_fraction=EVAL_FRACTION))
+    online = storage / "c_eval"
+    cfg = online_cfg(online, toy_llama, [server.url], eval_fraction=EVAL_FRACTION)
+    cfg.train.spool_gb = 5 * BYTES_PER_ROW / 1e9
+    sampler = SpoolSampler(DataDir(online).train_spool)
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    return offline, online, cfg.train.spool_gb * 1e9, sampler.most
+
+
+def test_online_evaluates_the_held_out_rows_as_offline(held_out_runs):
+    """The default held-out split works online: the held-out rows' states come through the spool (counted apart
+    from the trained ones, files gone after use) and the eval lines equal offline's, as do the train lines."""
+    offline, online, budget, most = held_out_runs
+    ev_off, ev_on = metrics(offline, "eval"), metrics(online, "eval")
+    assert [r["epoch"] for r in ev_on] == [r["epoch"] for r in ev_off] == [0, 1]
+    for a, b in zip(ev_off, ev_on):
+        assert a["step"] == b["step"]
+        assert {k: b[k] for k in a if k not in ("kind",)} == pytest.approx(
+            {k: v for k, v in a.items() if k != "kind"}, abs=1e-5)
+    assert [r["loss"] for r in metrics(online, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(offline, "train")], abs=1e-5)
+    held_out = round(NUM_ROWS * EVAL_FRACTION)
+    for rec in metrics(online, "online"):  # the trained rows only: the held-out ones are extracted apart
+        assert rec["samples_trained"] == rec["samples_extracted"] == NUM_ROWS - held_out
+    for rec in metrics(online, "rows"):
+        assert rec["samples"] == NUM_ROWS - held_out
+    assert 0 < most <= budget
+    assert not list(DataDir(online).train_spool.rglob("hs_*.safetensors"))
+
+
+def test_online_prefetch_crosses_the_epoch_boundary(held_out_runs):
+    """The run's whole plan is queued at start, so epoch 2's first rows enter the spool (the step count at their
+    admission, logged) before epoch 1's last step is done, within the budget, in order; each epoch trains every
+    row once (the rows and online records) and the curve is offline's."""
+    offline, online, budget, most = held_out_runs
+    first, second = sorted(metrics(online, "online"), key=lambda r: r["epoch"])
+    steps_epoch1 = len([r for r in metrics(online, "train") if r["epoch"] == 0])
+    assert second["first_step"] == steps_epoch1
+    assert second["first_row_admitted_at_step"] < steps_epoch1  # before epoch 1's last step finished
+    assert second["first_row_admitted_at_step"] == 0 and second["rows_admitted_early"] >= 1
+    assert first["rows_admitted_early"] == 0 and first["first_row_admitted_at_step"] == 0
+    # the run's states (both epochs' trained and held-out rows: offline's files of the same samples) exceed the
+    # budget, and the spool never held more than it: the queue runs ahead only as far as the budget lets it
+    dd = DataDir(offline)
+    run_bytes = 2 * sum(dd.hs_file(i).stat().st_size for i in range(NUM_ROWS))
+    assert 0 < most <= budget < run_bytes
+    assert second["spool_high_water_bytes"] <= budget
+    trained_once(online)
+
+
+class DiskSampler(threading.Thread):
+    """Every few ms: the bytes the spool's sample files take on disk (each file once: the rows' folders hold hard
+    links to the cache's files) and the bytes of the cache folder alone; the largest of each seen."""
+
+    def __init__(self, spool: Path, cache: Path):
+        super().__init__(daemon=True)
+        self.spool, self.cache, self.most, self.most_cache, self.looks = spool, cache, 0, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            inodes, cache = {}, 0
+            try:  # folders come and go while it walks
+                files = list(self.spool.rglob("hs_*.safetensors*"))
+            except FileNotFoundError:
+                files = []
+            for p in files:
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                inodes[st.st_ino] = st.st_size
+                cache += st.st_size if p.parent == self.cache else 0
+            self.most, self.most_cache = max(self.most, sum(inodes.values())), max(self.most_cache, cache)
+            self.looks += 1
+            time.sleep(0.002)
+
+
+def capture_check_posts(rows: list[dict], verify_tokens: int = 128) -> int:
+    """Completions the capture check sends on one server: the first rows until verify_tokens tokens are covered."""
+    n, left = 0, verify_tokens
+    for r in rows:
+        if left <= 0 and n >= 1:
+            break
+        n, left = n + 1, left - len(r["input_ids"])
+    return n
+
+
+def cached_run(storage, toy_llama, server, name: str, cache_rows: float):
+    """An online run through a counting proxy with train.cache_gb of ``cache_rows`` full rows' states."""
+    proxy = FaultyProxy(server.url)
+    d = storage / name
+    cfg = online_cfg(d, toy_llama, [proxy.url], cache_gb=cache_rows * BYTES_PER_ROW / 1e9)
+    dd = DataDir(d)
+    sampler = DiskSampler(dd.train_spool, dd.train_spool_cache(0))
+    sampler.start()
+    try:
+        run_train(cfg)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        proxy.close()
+    return d, cfg, proxy.posts, sampler
+
+
+def test_a_cache_of_every_sample_extracts_once(storage, toy_llama, server, offline_runs):
+    """train.cache_gb holding all 16 samples: epoch 2 sends no extraction request (the proxy counts the server's
+    completions: the capture check's and epoch 1's 16), reads every sample from the cache and trains offline's
+    steps; the cache and the whole spool stay within their budgets (sampled), and nothing is left at the end."""
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_all", NUM_ROWS)
+    first, second = sorted(metrics(d, "online"), key=lambda r: r["epoch"])
+    assert first["samples_extracted"] == NUM_ROWS and first["samples_from_cache"] == 0
+    assert second["samples_extracted"] == 0 and second["samples_from_cache"] == second["samples_trained"] == NUM_ROWS
+    assert posts == capture_check_posts(offline_runs) + NUM_ROWS
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+    assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
+    assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
+    assert second["cache_high_water_bytes"] <= cfg.train.cache_gb * 1e9
+    assert not list(DataDir(d).train_spool.rglob("hs_*.safetensors"))
+
+
+def test_a_partial_cache_re_extracts_only_the_others(storage, toy_llama, server, offline_runs):
+    """train.cache_gb of two full rows' states (about half the samples): epoch 2 takes those from the cache and
+    extracts only the rest (the proxy's count: the capture check's + 16 + the rest), every row trained once, offline's steps; the
+    cache, sampled, never holds more than cache_gb."""
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_part", 2)
+    second = [r for r in metrics(d, "online") if r["epoch"] == 1][0]
+    cached, extracted = second["samples_from_cache"], second["samples_extracted"]
+    assert 0 < cached < NUM_ROWS and cached + extracted == second["samples_trained"] == NUM_ROWS
+    assert posts == capture_check_posts(offline_runs) + NUM_ROWS + extracted
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+    assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
+    assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
+
+
+def test_a_cached_file_that_changed_is_extracted_again_not_used(storage, toy_llama, server, offline_runs,
+                                                                 monkeypatch):
+    """The cache is never trusted blindly: right after epoch 1's row links sample 0's cached file (so epoch 1 trains
+    the good one), the cache's file is replaced by junk (a new file, as a disk or a person might leave it); epoch 2's
+    check refuses it and extracts sample 0 again (one completion more), and the loss curve is still offline's."""
+    import os
+
+    real_link, swapped = os.link, []
+
+    def link(src, dst, *args, **kwargs):
+        real_link(src, dst, *args, **kwargs)
+        if Path(src).name == "hs_0.safetensors" and Path(src).parent.name == "cache" and not swapped:
+            junk = Path(f"{src}.junk")
+            junk.write_bytes(b"\0" * 4096)
+            os.replace(junk, src)  # the row's link keeps the good file
+            swapped.append(src)
+
+    monkeypatch.setattr(os, "link", link)
+    d, cfg, posts, sampler = cached_run(storage, toy_llama, server, "cache_junk", NUM_ROWS)
+    assert swapped
+    second = [r for r in metrics(d, "online") if r["epoch"] == 1][0]
+    assert second["samples_extracted"] == 1 and second["samples_from_cache"] == NUM_ROWS - 1
+    assert posts == capture_check_posts(offline_runs) + NUM_ROWS + 1
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
+
+
+def test_two_ranks_stop_together_with_one_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
+    """2 torchrun ranks, their one server stops answering in epoch 2: every rank stops at the same step (each asks
+    its source before a step, all_gather), one checkpoint at the last finished step is saved and each rank's error
+    names it and --resume; the resumed job, the server back, ends on the curve of 1 process x grad_accum 2."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+
+    ref = online_cfg(storage / "stop_ref", toy_llama, [server.url], grad_accum=2)
+    run_train(ref)
+    proxy = FaultyProxy(server.url, down_after=capture_check_posts(offline_runs) + NUM_ROWS + 4)
+    d = storage / "ddp_stop"
+    cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
+    config = storage / "ddp_stop.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(repo / "04_train.py"), "--config", str(config)]
+    try:
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0
+        stops = re.findall(r"error: .*not extracted after 2 attempts.*Checkpoint (\S+) \(step (\d+)\): rerun the same "
+                           r"torchrun command with --resume", done.stderr)
+        assert len(stops) == 2, done.stderr[-3000:]  # both ranks, the same checkpoint
+        assert stops[0] == stops[1]
+        stopped_at = int(stops[0][1])
+        dd = DataDir(d)
+        assert stopped_at == max(r["step"] for r in metrics(d, "train")) and dd.checkpoint_step(stopped_at).exists()
+        assert not dd.final_checkpoint.exists()
+        proxy.up()
+        done = subprocess.run(cmd + ["--resume"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        proxy.close()
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(storage / "stop_ref", "train")], abs=1e-5)
