@@ -85,6 +85,12 @@ class Progress:
             self.log.info(self.line())
             self._last_line = time.monotonic()
 
+    def add_total(self, n: int) -> None:
+        """More work became known (04 online queues its rows as it plans them)."""
+        self.total += n
+        if self._bar is not None:
+            self._bar.total = self.total
+
     def set_fields(self, **fields: str) -> None:
         self.update(0, **fields)
 

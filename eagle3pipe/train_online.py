@@ -184,6 +184,8 @@ class OnlineBatches:
         self.stopping = False
         self.error: BaseException | None = None
         self.errors_log = JsonlAppender(self.dd.train_online_errors, fsync_every=1)
+        # the samples of the rows queued (trained and held out), each counted once its files are in the spool
+        self.progress = Progress(0, unit="samples", every_s=cfg.shared.progress_every_s, desc="online states")
         shutil.rmtree(self.dd.train_spool_rank(ranks.rank), ignore_errors=True)  # never trusted: refilled
         self.dd.train_spool_rank(ranks.rank).mkdir(parents=True, exist_ok=True)
         self.loop = asyncio.new_event_loop()
@@ -229,6 +231,7 @@ class OnlineBatches:
                                                 "wait_s": 0.0, "total": 0, "held_out_extracted": 0,
                                                 "cached": 0})
             self.epochs[slot.epoch]["total"] += 0 if slot.repeat else len(slot.samples)
+        self.progress.add_total(sum(0 if s.repeat else len(s.samples) for s in slots))
         self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
 
     def plan(self, epochs) -> None:
@@ -413,6 +416,7 @@ class OnlineBatches:
         if self.thread.is_alive():
             self.thread.join(timeout=60)
         self.errors_log.close()
+        self.progress.close()
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -448,8 +452,7 @@ class OnlineBatches:
             urls = [self.server.url]
         check_dir = self.dd.train_spool_rank(self.ranks.rank) / "capture_check"
         with JsonlAppender(self.dd.train_spool_rank(self.ranks.rank) / "capture_check.jsonl") as journal:
-            progress = Progress(0, unit="samples", every_s=cfg.shared.progress_every_s, desc="online states")
-            async with Extractor(cfg, self.dd, 0, urls, self.manifest.num_layers, cfg.shared.hidden_size, progress,
+            async with Extractor(cfg, self.dd, 0, urls, self.manifest.num_layers, cfg.shared.hidden_size, self.progress,
                                  journal, out_dir=check_dir) as ex:
                 model, max_model_len = await ex.server_info()
                 items = [(i, r.id, r.input_ids) for i, r in enumerate(self.dataset.online_rows)]
@@ -462,7 +465,6 @@ class OnlineBatches:
                          self.budget / 1e9, ex_cfg.concurrency)
                 started.set()
                 await self._prefetch(ex)
-            progress.close()
 
     async def _prefetch(self, ex) -> None:
         """Admit the queued slots in order while the budget allows; extract each admitted slot's samples."""
@@ -566,4 +568,7 @@ class OnlineBatches:
             await asyncio.gather(*[one(i) for i in slot.files])
         except Exception as e:  # noqa: BLE001 (a config error of the server: the training loop raises it)
             self.error = e
+        self.progress.update(0 if slot.repeat else len(slot.files) - len(slot.failed),
+                             errors=0 if slot.repeat else len(slot.failed),
+                             **{"spool GB": f"{self.on_disk / 1e9:.2f}", "cache GB": f"{self.cache_on_disk / 1e9:.2f}"})
         slot.ready.set()
