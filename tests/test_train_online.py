@@ -438,8 +438,9 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
     assert proc.returncode == 0, stderr[-3000:]
     print(f"\nreal server killed after step {at_kill[-1]['step']} (epoch {at_kill[-1]['epoch'] + 1}), restarted in "
           f"{restart_s:.0f} s; 04 waited {sum(r['extract_wait_s'] for r in metrics(d, 'online')):.0f} s for states")
-    # the kill hit the run: the server was set aside, then taken back on its URL
-    assert f"{victim.url} does not answer" in stderr and f"{victim.url} answers again: taken back" in stderr
+    # the kill hit the run inside epoch 1: the server set aside, then taken back on its URL, before epoch 1 ended
+    aside, back = stderr.find(f"{victim.url} does not answer"), stderr.find(f"{victim.url} answers again: taken back")
+    assert 0 <= aside < back < stderr.find("eagle3pipe.train: epoch 1: ")
     a = storage / "a"
     assert at_kill[-1]["step"] < len(metrics(a, "train"))
     trained_once(d)
@@ -449,5 +450,83 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
     assert not dd.train_online_errors.exists() or not list(read_jsonl(dd.train_online_errors))
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
                                                                      abs=1e-5)
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(storage, toy_llama, server,
+                                                                                 offline_runs):
+    """04 online (a subprocess, --checkpoint-every 2) is SIGKILLed, its process group, once step_2 is saved and
+    while it waits for states (a proxy in front of the module server stops answering after the capture check and
+    10 samples of epoch 1: a fixed point to kill at, not a fault of the run). Its spool is left as it was, and each
+    stale file there is made wrong in a way stage 02's file check cannot see (states x 2, header kept). --resume, the
+    same flags, the server back: it continues from the newest checkpoint's step and data position, extracts every
+    sample it trains again (nothing stale trusted), trains each row from there once, and ends with the
+    uninterrupted run's loss curve and draft."""
+    import os
+    import signal
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagle3pipe.extract_vllm import check_file
+    from test_extract_vllm import NUM_LAYERS
+
+    # the capture check's 4 samples, then 9 of epoch 1, whose packed rows hold 3, 4, 4, 4, 1 samples: rows 1-2
+    # train (step_2 saved), row 3 waits with 2 of its 4 files in the spool
+    proxy = FaultyProxy(server.url, down_after=4 + 9)
+    d = storage / "04_killed"
+    dd = DataDir(d)
+    argv = door_04(storage, d, toy_llama, "--extract-url", proxy.url, "--max-retries", "8", "--retry-backoff-s", "1",
+                   "--checkpoint-every", "2", "--spool-gb", str(3.5 * BYTES_PER_ROW / 1e9))
+    err = storage / "04_killed.stderr"
+    try:
+        proc = popen_04(argv, err)
+        try:
+            wait_for(proc, lambda: proxy.down and dd.checkpoint_step(2).exists()
+                     and list(dd.train_spool.rglob("hs_*.safetensors")), "step_2 and a stale spool file", err)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # 04 and anything it started, as an OOM kill or a lost node does
+            proc.wait()
+        at_kill = train_steps(d)
+        newest = max(int(p.name.split("_")[1]) for p in dd.checkpoints.glob("step_*"))
+        assert not dd.final_checkpoint.exists() and at_kill[-1]["step"] < len(metrics(storage / "a", "train"))
+        stale = sorted(dd.train_spool.rglob("hs_*.safetensors"))
+        for path in stale:  # still what check_file accepts: the token ids, shape, layer ids and dtype are untouched
+            with safe_open(str(path), "pt") as f:
+                meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+            tensors["hidden_states"] = tensors["hidden_states"] * 2
+            save_file(tensors, str(path), metadata=meta)
+            assert check_file(path, tensors["token_ids"].tolist(), TOY_AUX, NUM_LAYERS, TOY_HIDDEN, "bf16")[1]
+        proxy.up()  # the server answers again
+        posts_before = proxy.posts
+        err_resume = storage / "04_killed_resume.stderr"
+        resumed = popen_04(argv + ["--resume"], err_resume)
+        resumed.wait(timeout=1200)
+        stderr = err_resume.read_text()
+    finally:
+        proxy.close()
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resuming from {dd.checkpoint_step(newest)}: step {newest}" in stderr
+    a = storage / "a"
+    steps_a = metrics(a, "train")
+    epoch_at = steps_a[newest - 1]["epoch"] if newest < len(steps_a) else steps_a[-1]["epoch"]
+    from_row = newest - len([r for r in steps_a if r["epoch"] < epoch_at])
+    print(f"\n04 killed after step {at_kill[-1]['step']} ({len(stale)} spool files left); resumed from step_{newest} "
+          f"(epoch {epoch_at + 1}, packed row {from_row}); {proxy.posts - posts_before} completions on resume")
+    # the data position continued: the resumed epoch's rows from the checkpoint's row on, each trained once, every
+    # one of their samples extracted by the resumed run (not read from the stale spool); the later epoch whole
+    (rows_rec,) = [r for r in metrics(d, "rows") if r["epoch"] == epoch_at]
+    assert rows_rec["from_row"] == from_row > 0
+    every_row_once_from(d, epoch_at, rows_rec["samples"])
+    assert rows_rec["samples"] < NUM_ROWS
+    for epoch in range(epoch_at + 1, 2):
+        every_row_once_from(d, epoch, NUM_ROWS)
+    # each requested once: the capture check's 4, the resumed rows' samples, and epoch 2's
+    assert proxy.posts - posts_before == 4 + rows_rec["samples"] + (1 - epoch_at) * NUM_ROWS
+    trained_once(d)
+    assert not list(dd.train_spool.rglob("hs_*.safetensors"))
+    # the uninterrupted run's curve and draft: no stale (doubled) state was trained on
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in steps_a], abs=1e-5)
     wa, wd = weights(a), weights(d)
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
