@@ -355,6 +355,7 @@ def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama
 
 # ---- drills: a real server killed, 04 killed
 
+
 def door_04(storage: Path, d: Path, verifier: Path, *flags: str) -> list[str]:
     """04 as a user runs it: the toy's settings in a config file, the online ones as flags."""
     import sys
@@ -389,6 +390,16 @@ def wait_for(proc, done, what: str, stderr: Path) -> None:
         time.sleep(0.02)
 
 
+def end_group(proc) -> None:
+    """SIGKILL 04's process group (04 and anything it started) unless it has ended; reaps it."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def train_steps(d: Path) -> list[dict]:
     """The step records 04 has written so far (a line being written is left for the next look)."""
     import json
@@ -414,9 +425,6 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
     covers a restart (10 retries from 1 s: ~5 min); after its first step the server's process group is SIGKILLed
     and restarted on the same port. 04 sets it aside, probes it, takes it back, and ends with every row of both
     epochs trained once, nothing listed, and the offline draft of the same rows (the server repeats itself)."""
-    import os
-    import signal
-
     victim = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
     d = storage / "server_killed"
     # a spool of 1.5 rows: the prefetch stays a row ahead, so the kill after step 1 lands inside epoch 1
@@ -433,9 +441,7 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
         restart_s = time.monotonic() - t0
         proc.wait(timeout=1200)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
         victim.stop()
     stderr = err.read_text()
     assert proc.returncode == 0, stderr[-3000:]
@@ -461,14 +467,11 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
                                                                                  offline_runs):
     """04 online (a subprocess, --checkpoint-every 2) is SIGKILLed, its process group, once step_2 is saved and
     while it waits for states (a proxy in front of the module server stops answering after the capture check and
-    10 samples of epoch 1: a fixed point to kill at, not a fault of the run). Its spool is left as it was, and each
+    9 samples of epoch 1: a fixed point to kill at, not a fault of the run). Its spool is left as it was, and each
     stale file there is made wrong in a way stage 02's file check cannot see (states x 2, header kept). --resume, the
     same flags, the server back: it continues from the newest checkpoint's step and data position, extracts every
     sample it trains again (nothing stale trusted), trains each row from there once, and ends with the
     uninterrupted run's loss curve and draft."""
-    import os
-    import signal
-
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -489,8 +492,7 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
             wait_for(proc, lambda: proxy.down and dd.checkpoint_step(2).exists()
                      and list(dd.train_spool.rglob("hs_*.safetensors")), "step_2 and a stale spool file", err)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # 04 and anything it started, as an OOM kill or a lost node does
-            proc.wait()
+            end_group(proc)  # as an OOM kill or a lost node does
         at_kill = train_steps(d)
         newest = max(int(p.name.split("_")[1]) for p in dd.checkpoints.glob("step_*"))
         assert not dd.final_checkpoint.exists() and at_kill[-1]["step"] < len(metrics(storage / "a", "train"))
@@ -505,7 +507,10 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
         posts_before = proxy.posts
         err_resume = storage / "04_killed_resume.stderr"
         resumed = popen_04(argv + ["--resume"], err_resume)
-        resumed.wait(timeout=1200)
+        try:
+            resumed.wait(timeout=1200)
+        finally:
+            end_group(resumed)
         stderr = err_resume.read_text()
     finally:
         proxy.close()
