@@ -455,7 +455,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
 
 
 # flags of another section's field a stage also takes (one setting, one flag name in every stage that reads it)
-BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [("extract", "extract_url")]}  # 04 online's servers
+BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [  # 04 online: its servers, retries and error share
+    ("extract", "extract_url"), ("extract", "max_retries"), ("extract", "retry_backoff_s"),
+    ("extract", "max_error_share")]}
 
 
 def _flag(name: str) -> str:
@@ -467,7 +469,7 @@ def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     sections = ["shared"] + ([stage] if stage in SECTIONS and stage != "shared" else [])
-    for section in sections + [s for s, _ in BORROWED_FLAGS.get(stage, [])]:
+    for section in sections + list(dict.fromkeys(s for s, _ in BORROWED_FLAGS.get(stage, []))):
         group = parser.add_argument_group(section)
         cls = SECTIONS[section]
         for f in dataclasses.fields(cls):

@@ -117,15 +117,20 @@ def test_validate_names_the_missing_flag():
 
 
 def test_online_training_flags_and_their_start_checks(tmp_path):
-    """04 takes --data-source, --spool-gb and stage 02's --extract-url (one setting: extract.extract_url); online
-    refuses an empty or endless spool, a negative or endless cache (--cache-gb; offline it is refused) and a URL with
-    /v1 before any work; a held-out split is taken online as offline (the default 0.05 passes)."""
+    """04 takes --data-source, --spool-gb and stage 02's --extract-url, --max-retries, --retry-backoff-s and
+    --max-error-share (one setting each: extract.*); online refuses an empty or endless spool, a negative or endless
+    cache (--cache-gb; offline it is refused) and a URL with /v1 before any work; a held-out split is taken online
+    as offline (the default 0.05 passes)."""
     base = ["--data-dir", str(tmp_path), "--verifier", str(tmp_path), "--data-source", "online", "--eval-fraction",
             "0", "--total-seq-len", "256", "--max-seq-len", "256"]
     cfg = parse_stage_args("train", base + ["--spool-gb", "2.5", "--extract-url", "http://a:8000", "http://b:8000"])
     assert cfg.train.data_source == "online" and cfg.train.spool_gb == 2.5
     assert cfg.extract.extract_url == ["http://a:8000", "http://b:8000"]
-    with pytest.raises(SystemExit):  # only the borrowed flag: 02's other flags are not 04's
+    # the retries and the error share 04 online's stop message names (--max-error-share): stage 02's settings
+    cfg = parse_stage_args("train", base + ["--max-retries", "9", "--retry-backoff-s", "1.5", "--max-error-share",
+                                            "0.25"])
+    assert (cfg.extract.max_retries, cfg.extract.retry_backoff_s, cfg.extract.max_error_share) == (9, 1.5, 0.25)
+    with pytest.raises(SystemExit):  # only the borrowed flags: 02's other flags are not 04's
         parse_stage_args("train", base + ["--concurrency", "3"])
     assert parse_stage_args("train", base + ["--eval-fraction", "0.05", "--cache-gb", "3"]).train.cache_gb == 3.0
     for flags, fragment in ((["--spool-gb", "0"], "spool_gb"), (["--spool-gb", "inf"], "spool_gb"),

