@@ -21,6 +21,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 
 from eagle3pipe import extract_vllm
 from eagle3pipe.cli import StageError
-from eagle3pipe.config import ExtractConfig
+from eagle3pipe.config import ExtractConfig, load_config
 from eagle3pipe.extract import run_extract
 from eagle3pipe.records import (
     DataDir,
@@ -224,13 +225,21 @@ def layer_by_layer(model, states: torch.Tensor, ids: list[int]) -> list[tuple[to
     return out
 
 
-def _moe_gate(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False) -> None:
-    rows = write_rows(storage / f"{name}_vllm", 10, seed=5, min_len=12, max_len=48)
-    write_rows(storage / f"{name}_ref", 10, seed=5, min_len=12, max_len=48)
+MOE_ROWS = {"n": 10, "seed": 5, "min_len": 12, "max_len": 48}
+
+
+def _moe_extract(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False) -> list[dict]:
+    """The MoE rows through the vLLM backend (``<name>_vllm``) and the transformers backend (``<name>_ref``)."""
+    rows = write_rows(storage / f"{name}_vllm", **MOE_ROWS)
+    write_rows(storage / f"{name}_ref", **MOE_ROWS)
     cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls)
     cfg.shared.trust_remote_code = trust_remote_code
     run_extract(cfg)
     run_extract(make_cfg(storage / f"{name}_ref", toy))
+    return rows
+
+
+def _moe_gate(storage: Path, toy: Path, name: str, rows: list[dict]) -> None:
     model = load_text_model(toy, torch.float32)
     ids = AUX + [NUM_LAYERS]
     errs, margins = [], []
@@ -253,16 +262,178 @@ def _moe_gate(storage: Path, toy: Path, name: str, urls: list[str], trust_remote
 def test_moe_deepseek_v3_states_layer_by_layer(storage, toy_deepseek, tmp_path_factory):
     server = start_extraction_server(toy_deepseek, storage, tmp_path_factory.mktemp("vllm_x_ds"))
     try:
-        _moe_gate(storage, toy_deepseek, "deepseek", [server.url])
+        rows = _moe_extract(storage, toy_deepseek, "deepseek", [server.url])
     finally:
         server.stop()
+    _moe_gate(storage, toy_deepseek, "deepseek", rows)
 
 
-def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_kimi):
-    """No URL: the stage starts vLLM itself (--trust-remote-code, the connector on PYTHONPATH) for the K2.5 toy."""
-    _moe_gate(storage, toy_kimi, "k25", [], trust_remote_code=True)
+@pytest.fixture(scope="module")
+def k25_rows(storage, toy_kimi) -> list[dict]:
+    """The release-shaped K2.5 toy's rows through stage 02 with no URL: the stage starts vLLM itself
+    (--trust-remote-code, the connector on PYTHONPATH); states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
+    return _moe_extract(storage, toy_kimi, "k25", [], trust_remote_code=True)
+
+
+def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_kimi, k25_rows):
+    _moe_gate(storage, toy_kimi, "k25", k25_rows)
     log = (storage / "k25_vllm/logs/02_vllm_server.log").read_text()
     assert "Eagle3HiddenStatesConnector" in log and "'trust_remote_code': True" in log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 04 online on the release-shaped K2.5 toy (test_train_online.py proves the mode on the toy Llama)
+
+K25_ROW_TOKENS = 128  # train.total_seq_len: the 10 rows of 12-48 tokens pack into 3 rows an epoch
+
+
+def k25_train_cfg(data_dir: Path, toy: Path, **train):
+    """Stage 02's settings of ``k25_rows`` (extract as vllm_cfg, no URL) plus a tiny draft for a few steps."""
+    meta = json.loads((toy / "toy_verifier.json").read_text())
+    t = {"total_seq_len": K25_ROW_TOKENS, "epochs": 2, "eval_fraction": 0.0, "num_workers": 0, "log_every": 1,
+         "checkpoint_every": 1000, "device": "cpu", "learning_rate": 3e-3, "draft_num_heads": 4,
+         "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
+    t.update(train)
+    cfg = load_config(overrides={
+        "shared": {"data_dir": str(data_dir), "verifier": str(toy), "aux_layer_ids": AUX, "hidden_size": 128,
+                   "max_seq_len": K25_ROW_TOKENS, "vocab_size": meta["vocab_size"], "draft_vocab_size": 256,
+                   "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
+                   "trust_remote_code": True, "progress_every_s": 1000.0},
+        "extract": {"input": "prepared", "backend": "vllm", "model_dtype": "bfloat16", "concurrency": 4,
+                    "verify_tokens": 256, "retry_backoff_s": 0.2, "request_timeout_s": 120.0},
+        "train": t})
+    cfg.validate("train")
+    return cfg
+
+
+class SpoolKeeper(threading.Thread):
+    """Hard-links every states file that appears in 04's spool (``<epoch>/hs_<i>.safetensors`` under ``keep``)
+    before the step that used it deletes it: the online run's own extraction of each row, each epoch. The
+    connector renames a file into place once written, so a name that exists is a whole file."""
+
+    def __init__(self, spool: Path, keep: Path):
+        super().__init__(daemon=True)
+        self.spool, self.keep, self.stop = spool, keep, threading.Event()
+
+    def run(self) -> None:
+        import os
+
+        while not self.stop.is_set():
+            for path in list(self.spool.glob("rank_0/epoch_*_row_*/hs_*.safetensors")):
+                epoch = path.parent.name.split("_")[1]
+                target = self.keep / epoch / path.name
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(path, target)
+                    except FileNotFoundError:  # deleted between the listing and the link: missed (asserted below)
+                        pass
+            time.sleep(0.002)
+
+
+def test_04_online_on_the_k25_toy_with_the_server_it_starts(storage, toy_kimi, k25_rows, caplog):
+    """04 online with no --extract-url on the release-shaped K2.5 toy (kimi_k25 remote-code config, MLA + MoE): 04
+    starts the extraction server itself from extract.server_args (--trust-remote-code, our connector), runs the
+    capture check on it before the first step, trains every row once an epoch through the spool (empty at the end),
+    and gives the loss curve and draft of training offline on stage 02's states of the same rows (``k25_vllm``)
+    within twice the server's own run-to-run difference, measured here: each epoch's states from the online
+    server (hard-linked out of the spool before they are deleted) trained offline the same way give curves whose
+    distance from stage 02's is that difference. Online epoch 1 trains on exactly the first of those: its steps
+    equal that replay's."""
+    import shutil
+
+    from eagle3pipe.records import read_jsonl
+    from eagle3pipe.train import run_train
+    from eagle3pipe.vocab import run_vocab
+
+    a, c, b = storage / "k25_vllm", storage / "k25_online", storage / "k25_replay"
+    n = len(k25_rows)
+
+    def curve(d: Path) -> list[float]:
+        return [r["loss"] for r in read_jsonl(DataDir(d).train_metrics) if r["kind"] == "train"]
+
+    def records(d: Path, kind: str) -> list[dict]:
+        return [r for r in read_jsonl(DataDir(d).train_metrics) if r["kind"] == kind]
+
+    def weights(d: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return {k: v.float() for k, v in load_file(str(DataDir(d).final_checkpoint / "model.safetensors")).items()}
+
+    # online: the rows stage 02 read, no hidden_states/, no URL
+    assert write_rows(c, **MOE_ROWS) == k25_rows
+    cfg_c = k25_train_cfg(c, toy_kimi, data_source="online", spool_gb=1.0)
+    run_vocab(cfg_c)
+    keeper = SpoolKeeper(DataDir(c).train_spool, storage / "k25_online_kept")
+    keeper.start()
+    try:
+        with caplog.at_level("INFO"):
+            run_train(cfg_c)
+    finally:
+        keeper.stop.set()
+        keeper.join()
+    dd = DataDir(c)
+    assert not dd.hs_manifest.exists()  # no stage 02 output: the states came online
+    # the server 04 started: ours (the connector, remote code), and the capture check ran on it and passed
+    log = (dd.logs / "02_vllm_server.log").read_text()
+    assert "Eagle3HiddenStatesConnector" in log and "'trust_remote_code': True" in log
+    (started,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("online: states of the next")]
+    url = started.split(" from ", 1)[1].split(" (model ", 1)[0]
+    assert url.startswith("http://127.0.0.1:") and "," not in url  # one server, 04's own
+    (check,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capture check: ")]
+    agreement = float(check.split(" next token at ", 1)[1].split("%", 1)[0]) / 100
+    assert agreement >= cfg_c.extract.verify_min_agreement and check.endswith("over 1 servers)"), check
+    # every row trained once an epoch, extracted that epoch, nothing listed; the spool empty at the end
+    for epoch in range(2):
+        (rows_rec,) = [r for r in records(c, "rows") if r["epoch"] == epoch]
+        (online,) = [r for r in records(c, "online") if r["epoch"] == epoch]
+        assert rows_rec["samples"] == online["samples_trained"] == online["samples_extracted"] == n
+        assert online["samples_dropped"] == online["samples_open"] == 0
+    assert not dd.train_online_errors.exists() or not list(read_jsonl(dd.train_online_errors))
+    assert not list(dd.train_spool.rglob("hs_*.safetensors"))
+
+    # offline on stage 02's states of the same rows, the same config
+    cfg_a = k25_train_cfg(a, toy_kimi)
+    run_vocab(cfg_a)
+    run_train(cfg_a)
+    # the server's own run-to-run difference: each epoch's states from the online server, in stage 02's layout,
+    # trained offline the same way (a second server start, other requests batched beside each: epoch 2's rows are
+    # extracted while epoch 1 trains)
+    kept = storage / "k25_online_kept"
+    replays = {}
+    for epoch in (0, 1):
+        files = (kept / str(epoch)).glob("hs_*.safetensors")
+        assert sorted(int(p.stem.split("_")[1]) for p in files) == list(range(n))  # each row kept, each epoch
+        b = storage / f"k25_replay_{epoch}"
+        shutil.copytree(DataDir(a).prepared, DataDir(b).prepared)
+        shutil.copytree(DataDir(a).hidden_states, DataDir(b).hidden_states, ignore=shutil.ignore_patterns("work"))
+        for i in range(n):
+            shutil.copyfile(kept / str(epoch) / f"hs_{i}.safetensors", DataDir(b).hs_file(i))
+        cfg_b = k25_train_cfg(b, toy_kimi)
+        run_vocab(cfg_b)
+        run_train(cfg_b)
+        replays[epoch] = b
+        errs = torch.cat([token_errors(load_hidden_states(DataDir(b).hs_file(i))["hidden_states"].float(),
+                                       load_hidden_states(DataDir(a).hs_file(i))["hidden_states"].float())
+                          for i in range(n)])
+        print(f"\nK2.5 toy states, online epoch {epoch + 1} vs stage 02: per-token relative error median "
+              f"{errs.median():.3g}, max {errs.max():.3g}")
+    loss_a, loss_c = curve(a), curve(c)
+    wa, wc = weights(a), weights(c)
+    loss_noise = max(abs(x - y) for b in replays.values() for x, y in zip(loss_a, curve(b)))
+    weight_noise = max((wa[k] - wb[k]).abs().max().item() for wb in map(weights, replays.values()) for k in wa)
+    online_loss = max(abs(x - y) for x, y in zip(loss_a, loss_c))
+    online_weight = max((wa[k] - wc[k]).abs().max().item() for k in wa)
+    steps_1 = len([r for r in records(c, "train") if r["epoch"] == 0])
+    print(f"{check}\nK2.5 toy losses: offline {loss_a}\n online {loss_c}\nserver run-to-run: loss {loss_noise:.3g}, "
+          f"weights {weight_noise:.3g}; online vs offline: loss {online_loss:.3g}, weights {online_weight:.3g}")
+    loss_b = curve(replays[0])
+    assert len(loss_c) == len(loss_a) == len(loss_b) >= 4  # the same steps: the offline packing and order
+    assert 0 < steps_1 < len(loss_c)
+    assert loss_c[:steps_1] == pytest.approx(loss_b[:steps_1], abs=1e-5)  # epoch 1: the very states it extracted
+    # within twice the server's own difference (and float rounding when the server repeats itself exactly)
+    assert online_loss <= 2 * loss_noise + 1e-5
+    assert online_weight <= 2 * weight_noise + 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
