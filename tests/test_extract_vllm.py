@@ -9,7 +9,9 @@ against the transformers backend, the exact reference:
   convention, [1, 3, 4, 8], keeps the final state right, so the top-1 check alone passes it: shown here), and the
   top-1 check runs on every server (a second server whose states are wrong is caught);
 - a server killed mid-run and restarted: the rerun loses nothing, duplicates nothing, keeps earlier files as
-  they were; two servers give the same files as one; fp8 per request; speculators reads the output.
+  they were; two servers give the same files as one; fp8 per request; speculators reads the output;
+- stage 04 online on the K2.5 toy with the server 04 starts (remote code): the capture check on it, every row once
+  an epoch, and the offline loss curve on stage 02's states within the server's own run-to-run difference.
 
 Servers run bf16 (as K2.5 is served); the reference runs fp32. Module-scoped servers keep the start-ups few.
 """
@@ -380,6 +382,8 @@ def test_04_online_on_the_k25_toy_with_the_server_it_starts(storage, toy_kimi, k
     (started,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("online: states of the next")]
     url = started.split(" from ", 1)[1].split(" (model ", 1)[0]
     assert url.startswith("http://127.0.0.1:") and "," not in url  # one server, 04's own
+    with pytest.raises(httpx2.TransportError):  # and 04 stopped it at the end
+        httpx2.get(url + "/health", timeout=10)
     (check,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capture check: ")]
     agreement = float(check.split(" next token at ", 1)[1].split("%", 1)[0]) / 100
     assert agreement >= cfg_c.extract.verify_min_agreement and check.endswith("over 1 servers)"), check
