@@ -290,8 +290,9 @@ def test_two_urls_one_stops_for_good_training_goes_on(storage, toy_llama, server
     finally:
         good.close()
         dying.close()
-    # the dying one's 6th completion got no reply; every sample it did not write went through the other
-    assert dying.down and dying.posts == 6 and good.posts >= 2 * NUM_ROWS - 5 + 1
+    # the dying one's 6th completion got no reply (and any sent to it before the pool set it aside: a race of
+    # milliseconds); every sample it did not write went through the other
+    assert dying.down and dying.posts >= 6 and good.posts >= 2 * NUM_ROWS - 5 + 1
     trained_once(d)
     loss_a = [r["loss"] for r in metrics(storage / "a", "train")]
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
