@@ -33,8 +33,8 @@ _GPU_NOT_RUN: list[str] = []
 
 # ``./test.sh`` runs the suite in 2 processes (pytest-xdist, one file per process at a time): the longest files go
 # first, so that no process is left alone with a 4-minute file at the end.
-LONGEST_FILES_FIRST = ("test_evaluate_vllm.py", "test_toy_reasoning.py", "test_run_all_demo.py", "test_extract_vllm.py",
-                       "test_generate_vllm.py")
+LONGEST_FILES_FIRST = ("test_train_online.py", "test_evaluate_vllm.py", "test_toy_reasoning.py", "test_run_all_demo.py",
+                       "test_extract_vllm.py", "test_generate_vllm.py")
 
 
 def _file_rank(item) -> int:
