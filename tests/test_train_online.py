@@ -104,13 +104,18 @@ class SpoolSampler(threading.Thread):
         self.folder, self.most, self.looks, self.stop = folder, 0, 0, threading.Event()
 
     def run(self) -> None:
+        import os
+
         while not self.stop.is_set():
             total = 0
-            for p in list(self.folder.rglob("hs_*.safetensors*")) if self.folder.exists() else []:
-                try:
-                    total += p.stat().st_size
-                except FileNotFoundError:
-                    pass
+            # os.walk skips a folder deleted under it (rglob raised, which ended this thread and the sampling)
+            for root, _, names in os.walk(self.folder):
+                for name in names:
+                    if name.startswith("hs_") and ".safetensors" in name:
+                        try:
+                            total += os.stat(os.path.join(root, name)).st_size
+                        except FileNotFoundError:
+                            pass
             self.most, self.looks = max(self.most, total), self.looks + 1
             time.sleep(0.002)
 
