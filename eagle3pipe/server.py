@@ -260,7 +260,10 @@ class ServerPool:
         self.served: dict[int, ServedModel] = {}  # what each server that answered serves
         self.model = ""  # the model every server must serve (set by the stage after open)
         self._probes: dict[int, asyncio.Task] = {}
-        self._taken_back = asyncio.Event()  # set when _probe takes a server back, then replaced for the next one
+        # resolved when _probe takes a server back, then replaced: what wait_to_retry's waiters wait on (a future,
+        # not an Event: asyncio.wait on it makes no task, so a waiter cancelled at shutdown is done at once, as a
+        # cancelled sleep is)
+        self._taken_back: asyncio.Future | None = None
         self._http = httpx2.AsyncClient(headers=auth_headers())
 
     async def __aenter__(self) -> "ServerPool":
@@ -342,10 +345,9 @@ class ServerPool:
         if error is None or not (isinstance(error, NoServerAnswers) or is_connection_failure(error)):
             await asyncio.sleep(delay_s)
             return
-        try:
-            await asyncio.wait_for(self._taken_back.wait(), delay_s)
-        except TimeoutError:
-            pass
+        if self._taken_back is None:
+            self._taken_back = asyncio.get_running_loop().create_future()
+        await asyncio.wait([self._taken_back], timeout=delay_s)  # never cancels the future the others wait on
 
     def report_failure(self, idx: int, error: BaseException) -> None:
         """A request to server ``idx`` failed with ``error``: set the server aside when it did not answer."""
@@ -384,8 +386,9 @@ class ServerPool:
                 continue
             del self.aside[idx]
             self._probes.pop(idx, None)
-            self._taken_back.set()  # wakes the retries waiting for a server (wait_to_retry)
-            self._taken_back = asyncio.Event()
+            if self._taken_back is not None:  # wakes the retries waiting for a server (wait_to_retry)
+                self._taken_back.set_result(None)
+                self._taken_back = None
             log.warning("%s answers again: taken back (%d of %d servers in use)", self.urls[idx],
                         len(self.urls) - len(self.aside), len(self.urls))
             return
