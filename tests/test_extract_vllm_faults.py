@@ -3,7 +3,8 @@ on demand), through the stage's door: files that do not hold the row are redone,
 transient failures (no file written, its lock still held) are redone, then left open and retried by a rerun, and
 stop the stage while more than --max-error-share remain; a journalled file that went missing is re-extracted alone;
 rows longer than the server's context are refused before anything is sent; a server set up with another storage
-dtype or other layer ids (the file's metadata), or a connector that writes no finite flag, stops the stage at once.
+dtype or other layer ids (the file's metadata), or a connector that writes no finite flag, stops the stage at once;
+the only server restarting on its port is used again at once by the samples waiting for it.
 The real-server tests are in test_extract_vllm.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stage 01b without a vLLM server: reply parsing, /metrics parsing, resume repair, and the fault drills a real
-server cannot stage on demand (timeouts, 5xx, no reasoning field, a long queue), against a small local HTTP server
-that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
+server cannot stage on demand (timeouts, 5xx, no reasoning field, a long queue, the only server restarting on its
+port), against a small local HTTP server that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
 """
 
 from __future__ import annotations
