@@ -306,16 +306,16 @@ class Extractor:
         ex = self.cfg.extract
         position, row_id, ids = item
         path = Path(path).resolve() if path is not None else self.sample_file(local_index)
-        failure = None
+        failure = error = None  # error: the last attempt's exception (None: a bad file), for the pool's wait
         for attempt in range(1 + ex.max_retries):
             if attempt:
                 self.retries += 1
-                await asyncio.sleep(backoff_delay_s(attempt - 1, ex.retry_backoff_s))
+                await self.pool.wait_to_retry(backoff_delay_s(attempt - 1, ex.retry_backoff_s), error)
             remove_sample_files(path)
             try:
                 idx = self.pool.acquire(server)
             except NoServerAnswers as e:
-                failure = classify_request_error(e, ex.request_timeout_s)
+                failure, error = classify_request_error(e, ex.request_timeout_s), e
                 continue
             try:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
@@ -330,9 +330,9 @@ class Extractor:
             except BadSample as e:
                 if e.kind == "config":
                     raise StageError(f"{self.urls[idx]}: {e}") from None
-                failure = RequestFailure(e.kind, str(e), True)
+                failure, error = RequestFailure(e.kind, str(e), True), None
             except Exception as e:
-                failure = classify_request_error(e, ex.request_timeout_s)
+                failure, error = classify_request_error(e, ex.request_timeout_s), e
                 if failure is None:
                     raise
                 self.pool.report_failure(idx, e)

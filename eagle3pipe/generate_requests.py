@@ -242,7 +242,7 @@ class Generator:
         attempts_allowed = 1 + self.g.max_retries
         kind, message, url = "", "", ""
         for attempt in range(attempts_allowed):
-            idx, url = None, ""
+            idx, url, error = None, "", None  # error: what failed, for the pool's wait before the retry
             t0 = time.monotonic()
             try:
                 idx = self.pool.acquire()
@@ -254,7 +254,7 @@ class Generator:
                     raise
                 if idx is not None:
                     self.pool.report_failure(idx, e)
-                kind, message, retry = failure.kind, failure.message, failure.retryable
+                kind, message, retry, error = failure.kind, failure.message, failure.retryable, e
             except BadResponse as e:
                 kind, message, retry = "bad_response", str(e), False
             else:
@@ -270,8 +270,8 @@ class Generator:
                 break
             self.stats.retries += 1
             delay = backoff_delay_s(attempt, self.g.retry_backoff_s, MAX_BACKOFF_S)
-            log.debug("%s: %s on %s (attempt %d), retrying in %.1f s", q.id, kind, url, attempt + 1, delay)
-            await asyncio.sleep(delay)
+            log.debug("%s: %s on %s (attempt %d), retrying within %.1f s", q.id, kind, url, attempt + 1, delay)
+            await self.pool.wait_to_retry(delay, error)
         attempts = attempt + 1 + self.previous_attempts.get(q.id, 0)
         self.errors_out.write(RequestError(id=q.id, kind=kind, message=message, attempts=attempts,
                                            server=url).to_json())

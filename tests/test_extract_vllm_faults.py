@@ -3,7 +3,8 @@ on demand), through the stage's door: files that do not hold the row are redone,
 transient failures (no file written, its lock still held) are redone, then left open and retried by a rerun, and
 stop the stage while more than --max-error-share remain; a journalled file that went missing is re-extracted alone;
 rows longer than the server's context are refused before anything is sent; a server set up with another storage
-dtype or other layer ids (the file's metadata), or a connector that writes no finite flag, stops the stage at once.
+dtype or other layer ids (the file's metadata), or a connector that writes no finite flag, stops the stage at once;
+the only server restarting on its port is used again at once by the samples waiting for it.
 The real-server tests are in test_extract_vllm.py."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
@@ -32,7 +34,7 @@ from eagle3pipe.records import (
 )
 
 from test_extract import AUX, make_cfg, write_rows
-from test_generate import DyingStub, StubHTTPServer
+from test_generate import REPO, DyingStub, StubHTTPServer, run_door_through_a_restart
 
 MAX_MODEL_LEN = 30
 NUM_LAYERS = 8
@@ -46,11 +48,12 @@ class StubExtractionServer(DyingStub):
     must survive, switched per prompt through the sets: ``no_file`` (the writer failed: vLLM only logs it) and
     ``hold_lock`` (a lock held past the client's wait: a slow disk). ``prompt_logprobs`` are answered claiming the
     row's next token as top-1 (random states never agree with that: a wrong capture). ``die_after``: after that
-    many completions it dies as a crashed node does (no reply, then the port refuses)."""
+    many completions it dies as a crashed node does (no reply, then the port refuses); ``port``: where it listens
+    (0: a free one)."""
 
     def __init__(self, bad=lambda ids: False, dtype: str = "bf16", layer_ids: list[int] = RIGHT_IDS,
                  meta: dict | None = None, model: str = "stub", max_model_len: int = MAX_MODEL_LEN,
-                 die_after: int | None = None):
+                 die_after: int | None = None, port: int = 0):
         self.requests: Counter = Counter()
         self.no_file: set[tuple] = set()
         self.hold_lock: set[tuple] = set()
@@ -95,7 +98,7 @@ class StubExtractionServer(DyingStub):
                 self._reply({"id": "c", "object": "text_completion", "model": model, "kv_transfer_params":
                              {"hidden_states_path": path}, "choices": [choice]})
 
-        self.httpd = StubHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = StubHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -304,6 +307,32 @@ def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_serv
     assert dying.posts > 4 and sum(healthy.requests.values()) >= len(rows) - 4
     aside = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
     assert any(closed in m for m in aside) and any(dying.url in m for m in aside)
+
+
+def test_a_server_restarting_on_its_port_is_used_at_once_by_the_samples_waiting_for_it(tmp_path, toy_llama):
+    """Stage 02's only server dies after 4 of 16 samples (the request in hand unanswered, the port then refused) and a
+    new one listens on its port as soon as it is gone; retries back off 300 s (capped at 60 s). The stage (its door,
+    a subprocess) ends with every row extracted and nothing listed, the rest by the new server: the samples waiting
+    for a server (Extractor.one, also 04 online's) woke when the pool took it back. A deadline guard, not a speed
+    measurement (RESTART_GUARD_S): before ServerPool.wait_to_retry each retry slept out its backoff (>= 48 s) and
+    the test failed at the guard."""
+    rows = write_rows(tmp_path, 16, seed=5, min_len=4, max_len=MAX_MODEL_LEN - 2)
+    dying = StubExtractionServer(die_after=4)
+    port = dying.httpd.server_address[1]
+    argv = [sys.executable, str(REPO / "02_extract_hidden_states.py"), "--data-dir", str(tmp_path), "--verifier",
+            str(toy_llama), "--input", "prepared", "--aux-layer-ids", *map(str, AUX), "--hidden-size", "128",
+            "--backend", "vllm", "--extract-url", dying.url, "--verify-tokens", "0", "--max-retries", "2",
+            "--retry-backoff-s", "300", "--concurrency", "3"]
+    try:
+        code, err, revived = run_door_through_a_restart(argv, tmp_path / "02.err", dying,
+                                                        lambda: StubExtractionServer(port=port))
+    finally:
+        dying.close()
+    revived.close()
+    assert code == 0, err
+    _assert_complete(tmp_path, rows)
+    assert dying.posts > 4 and sum(revived.requests.values()) >= len(rows) - 4  # the old one wrote 4, the new the rest
+    assert "set aside" in err and "answers again: taken back" in err
 
 
 @pytest.mark.parametrize("case", ["other_layer_ids", "no_finite_flag"])

@@ -1,6 +1,6 @@
 """Stage 01b without a vLLM server: reply parsing, /metrics parsing, resume repair, and the fault drills a real
-server cannot stage on demand (timeouts, 5xx, no reasoning field, a long queue), against a small local HTTP server
-that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
+server cannot stage on demand (timeouts, 5xx, no reasoning field, a long queue, the only server restarting on its
+port), against a small local HTTP server that misbehaves on purpose. The real-server tests are in test_generate_vllm.py.
 """
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -32,7 +36,16 @@ from eagle3pipe.records import (
     read_provenance,
     write_jsonl_atomic,
 )
-from eagle3pipe.server import ServerPool, api_base, free_port, parse_prometheus_text
+from eagle3pipe.server import (
+    NoServerAnswers,
+    RequestFailed,
+    RequestFailure,
+    ServerPool,
+    api_base,
+    free_port,
+    parse_prometheus_text,
+    status_failure,
+)
 from eagle3pipe.vocab import run_vocab
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,6 +120,56 @@ class DyingStub:
             httpd, self.httpd = self.httpd, None
         httpd.shutdown()
         httpd.server_close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A deadline guard, not a speed measurement, counted from the moment the dying server's port refuses: a retry that
+# sleeps its whole backoff after its server came back (the code before ServerPool.wait_to_retry) is sent no sooner
+# than 48 s after its request failed (backoffs are capped at 60 s, jittered -20 %), so a stage whose only server
+# restarts cannot end within this; one that uses the server at once ends a few seconds after the pool's first
+# /health probe (PROBE_FIRST_S).
+RESTART_GUARD_S = 40.0
+DEATH_WITHIN_S = 300.0  # the bound on the stage reaching its server's death (start-up, the first requests)
+
+
+def run_door_through_a_restart(argv: list[str], err_file: Path, dying: DyingStub, revive) -> tuple[int, str, DyingStub]:
+    """Run a stage's door (``argv``, a subprocess) while ``dying``, its only server, dies mid-run (its
+    ``die_after``) and ``revive()`` returns a healthy server listening on the same port, started as soon as the old
+    one's port refuses. The door is killed RESTART_GUARD_S after that, and the test fails there. Returns (exit
+    status, stderr, the revived server: the caller closes it)."""
+    port = int(dying.url.rsplit(":", 1)[1])
+    revived = None
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        start_deadline = time.monotonic() + DEATH_WITHIN_S
+        while proc.poll() is None:  # until the old server's port refuses
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            except ConnectionRefusedError:
+                break
+            except OSError:  # reset: the port is closing
+                pass
+            if time.monotonic() > start_deadline:
+                pytest.fail(f"{argv[1]}'s server did not die within {DEATH_WITHIN_S:g} s")
+            time.sleep(0.05)
+        revived = revive()
+        try:
+            proc.wait(timeout=RESTART_GUARD_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{argv[1]} did not end within {RESTART_GUARD_S:g} s of its server's restart although the "
+                        f"server was back at once (the retries slept out their backoff); its stderr:\n"
+                        f"{err_file.read_text()[-3000:]}")
+    except BaseException:
+        if revived is not None:
+            revived.close()
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err_file.read_text(), revived
 
 
 # vLLM 0.32's HTTP 400 body for a prompt over --max-model-len (vllm/renderers/params.py), as the server sends it
@@ -517,6 +580,58 @@ def test_the_pool_takes_a_server_back_once_it_answers_on_its_port():
                     assert pool.acquire() == 0  # fewest in flight: 0 against 3
 
     asyncio.run(drill())
+
+
+def test_a_retry_waiting_for_a_server_wakes_when_the_pool_takes_one_back_and_others_wait_their_backoff():
+    """ServerPool.wait_to_retry with 300 s delays: after no server answered (NoServerAnswers, a refused connection)
+    it returns once the set-aside server is taken back (awaited under a bound, so a bug fails instead of hanging);
+    after a 5xx or a bad file (error None) it is still asleep then; and the next outage waits for the next return."""
+    port = free_port()
+    refused = RequestFailed(RequestFailure("connection", "ClientConnectorError: refused", True), unreachable=True)
+
+    async def drill() -> None:
+        with StubServer("ok") as live:
+            async with ServerPool([f"http://127.0.0.1:{port}", live.url], 5.0, 8, flag="--vllm-url") as pool:
+                await pool.open()
+                assert list(pool.aside) == [0]
+                wake = [asyncio.create_task(pool.wait_to_retry(300.0, e)) for e in (NoServerAnswers("x"), refused)]
+                full = [asyncio.create_task(pool.wait_to_retry(300.0, e))
+                        for e in (RequestFailed(status_failure(500, "engine hiccup")), None)]
+                await asyncio.sleep(0.2)
+                assert not any(t.done() for t in wake + full)  # nothing taken back yet: all asleep
+                with StubServer("ok", port=port):
+                    await asyncio.wait_for(asyncio.gather(*wake), 60.0)  # probes back off from 1 s
+                    assert not pool.aside
+                    assert not any(t.done() for t in full)  # a busy or broken server is not hammered
+                    again = asyncio.create_task(pool.wait_to_retry(300.0, NoServerAnswers("x")))
+                    await asyncio.sleep(0.2)
+                    assert not again.done()  # the return it woke for is spent: the next one wakes it
+                for t in full + [again]:
+                    t.cancel()
+
+    asyncio.run(drill())
+
+
+def test_01b_whose_only_server_restarts_on_its_port_uses_it_at_once(tmp_path, toy_llama, toy_meta):
+    """01b's only server dies after 5 of 20 requests (the request in hand unanswered, the port then refused) and a new
+    one listens on its port as soon as it is gone; retries back off 300 s (capped at 60 s). The stage ends with
+    every question answered, none errored, the rest by the new server: the retries waiting for a server woke when
+    the pool took it back. A deadline guard, not a speed measurement (RESTART_GUARD_S): before
+    ServerPool.wait_to_retry each retry slept out its backoff (>= 48 s) and the test failed at the guard."""
+    ids = write_questions(tmp_path, 20)
+    with StubServer("ok", die_after=5) as dying:
+        port = dying.httpd.server_address[1]
+        argv = [sys.executable, str(REPO / "01b_generate_synthetic.py"),
+                *door_argv(tmp_path, toy_llama, toy_meta, dying.url, "--max-retries", "2", "--retry-backoff-s", "300",
+                           "--concurrency", "4")]
+        code, err, revived = run_door_through_a_restart(argv, tmp_path / "01b.err", dying,
+                                                        lambda: StubServer("ok", port=port).__enter__())
+    revived.close()
+    assert code == 0, err
+    check = check_synthetic(DataDir(tmp_path), ids)
+    assert check.ok() and check.finished == 20 and check.errored == 0
+    assert dying.posts > 5 and sum(revived.requests.values()) >= 15  # the old one served 5, the new one the rest
+    assert "set aside" in err and "answers again: taken back" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------
