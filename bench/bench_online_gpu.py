@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from bench_train import K25, TINY, e2e, samples_needed, write_data, write_verifier  # noqa: E402
 from eagle3pipe.progress import setup_logging  # noqa: E402
-from eagle3pipe.records import DataDir, load_training_rows, read_jsonl  # noqa: E402
+from eagle3pipe.records import DataDir, hs_bytes_estimate, load_training_rows, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench_online_gpu")
 
@@ -128,8 +128,7 @@ def main() -> None:
     log.info("data: %d samples, %d tokens written in %.1fs", samples, n_tok, time.perf_counter() - t0)
     if device == "cuda":
         torch.cuda.empty_cache()  # the runs are other processes: leave them the GPU
-    # a full row's upper bound (records.hs_bytes_estimate's fp8 layout: 1 byte a value + one fp32 scale a token)
-    row_bytes = tokens * (4 * dims["hidden"] + 4 * 4)
+    row_bytes = hs_bytes_estimate(tokens, 1, 4, dims["hidden"], storage)  # a full row's upper bound, as 04 reckons it
     spool_gb = args.spool_rows * row_bytes / 1e9
     replay = ReplayExtractionServer(data)
     online = {"train": {"data_source": "online", "spool_gb": spool_gb},

@@ -97,26 +97,40 @@ def weights(data_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class SpoolSampler(threading.Thread):
-    """Sums the bytes of the spool's files every few ms while a run goes on: the largest sum seen."""
+    """Every few ms while a run goes on (``with SpoolSampler(...) as sampler: run``): the bytes the spool's sample
+    files take on disk (each file once: with train.cache_gb the rows' folders hold hard links to the cache's files)
+    and, given ``cache``, the bytes of that folder alone; the largest of each seen."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, spool: Path, cache: Path | None = None):
         super().__init__(daemon=True)
-        self.folder, self.most, self.looks, self.stop = folder, 0, 0, threading.Event()
+        self.spool, self.cache, self.most, self.most_cache, self.looks = spool, cache, 0, 0, 0
+        self.stop = threading.Event()
+
+    def __enter__(self) -> "SpoolSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.join()
 
     def run(self) -> None:
         import os
 
         while not self.stop.is_set():
-            total = 0
-            # os.walk skips a folder deleted under it (rglob raised, which ended this thread and the sampling)
-            for root, _, names in os.walk(self.folder):
+            inodes, cache = {}, 0
+            # os.walk skips a folder deleted under it (rglob raised, which ended the thread and the sampling)
+            for root, _, names in os.walk(self.spool):
                 for name in names:
                     if name.startswith("hs_") and ".safetensors" in name:
                         try:
-                            total += os.stat(os.path.join(root, name)).st_size
+                            st = os.stat(os.path.join(root, name))
                         except FileNotFoundError:
-                            pass
-            self.most, self.looks = max(self.most, total), self.looks + 1
+                            continue
+                        inodes[st.st_ino] = st.st_size
+                        cache += st.st_size if self.cache is not None and Path(root) == self.cache else 0
+            self.most, self.most_cache = max(self.most, sum(inodes.values())), max(self.most_cache, cache)
+            self.looks += 1
             time.sleep(0.002)
 
 
@@ -225,13 +239,8 @@ def test_online_trains_the_offline_steps_within_the_servers_own_noise(storage, t
     cfg = online_cfg(c, toy_llama, [server.url])
     spool_gb = cfg.train.spool_gb
     dd = DataDir(c)
-    sampler = SpoolSampler(dd.train_spool)
-    sampler.start()
-    try:
+    with SpoolSampler(dd.train_spool) as sampler:
         run_train(cfg)
-    finally:
-        sampler.stop.set()
-        sampler.join()
     assert not dd.hidden_states.joinpath("manifest.json").exists()  # no stage 02 output: the states came online
     loss_c = [r["loss"] for r in metrics(c, "train")]
     wc = weights(c)
@@ -383,13 +392,8 @@ def held_out_runs(storage, toy_llama, server, offline_runs):
     online = storage / "c_eval"
     cfg = online_cfg(online, toy_llama, [server.url], eval_fraction=EVAL_FRACTION)
     cfg.train.spool_gb = 5 * BYTES_PER_ROW / 1e9
-    sampler = SpoolSampler(DataDir(online).train_spool)
-    sampler.start()
-    try:
+    with SpoolSampler(DataDir(online).train_spool) as sampler:
         run_train(cfg)
-    finally:
-        sampler.stop.set()
-        sampler.join()
     return offline, online, cfg.train.spool_gb * 1e9, sampler.most
 
 
@@ -434,34 +438,6 @@ def test_online_prefetch_crosses_the_epoch_boundary(held_out_runs):
     trained_once(online)
 
 
-class DiskSampler(threading.Thread):
-    """Every few ms: the bytes the spool's sample files take on disk (each file once: the rows' folders hold hard
-    links to the cache's files) and the bytes of the cache folder alone; the largest of each seen."""
-
-    def __init__(self, spool: Path, cache: Path):
-        super().__init__(daemon=True)
-        self.spool, self.cache, self.most, self.most_cache, self.looks = spool, cache, 0, 0, 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            inodes, cache = {}, 0
-            try:  # folders come and go while it walks
-                files = list(self.spool.rglob("hs_*.safetensors*"))
-            except FileNotFoundError:
-                files = []
-            for p in files:
-                try:
-                    st = p.stat()
-                except FileNotFoundError:
-                    continue
-                inodes[st.st_ino] = st.st_size
-                cache += st.st_size if p.parent == self.cache else 0
-            self.most, self.most_cache = max(self.most, sum(inodes.values())), max(self.most_cache, cache)
-            self.looks += 1
-            time.sleep(0.002)
-
-
 def capture_check_posts(rows: list[dict], verify_tokens: int = 128) -> int:
     """Completions the capture check sends on one server: the first rows until verify_tokens tokens are covered."""
     n, left = 0, verify_tokens
@@ -478,13 +454,10 @@ def cached_run(storage, toy_llama, server, name: str, cache_rows: float):
     d = storage / name
     cfg = online_cfg(d, toy_llama, [proxy.url], cache_gb=cache_rows * BYTES_PER_ROW / 1e9)
     dd = DataDir(d)
-    sampler = DiskSampler(dd.train_spool, dd.train_spool_cache(0))
-    sampler.start()
     try:
-        run_train(cfg)
+        with SpoolSampler(dd.train_spool, dd.train_spool_cache(0)) as sampler:
+            run_train(cfg)
     finally:
-        sampler.stop.set()
-        sampler.join()
         proxy.close()
     return d, cfg, proxy.posts, sampler
 
