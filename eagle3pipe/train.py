@@ -50,11 +50,10 @@ from .records import (
     write_jsonl_atomic,
     write_provenance,
 )
-from .train_metrics import add_metrics, evaluate_sums, metric_keys, plot_curves, reduce_metrics, summarize
+from .train_drafts import draft_family
+from .train_metrics import add_metrics, evaluate_sums, reduce_metrics
 
 log = logging.getLogger(__name__)
-
-LOSS_NAME = "kl_div"
 
 
 def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
@@ -195,14 +194,16 @@ def build_model(cfg: PipelineConfig, device: torch.device):
 
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
+    attn_impl = resolve_attn_impl(t.attn_impl, device)
+    if t.draft == "dflash":  # speculators' DFlashDraftModel, fresh or warm (train_drafts.py)
+        return draft_family(cfg, device).build_model(attn_impl)
     summary = load_vocab_summary(dd.vocab_summary)
     d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
-    attn_impl = resolve_attn_impl(t.attn_impl, device)
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
         layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
                                                 t.draft_intermediate_size, s.trust_remote_code)
-        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=s.aux_layer_ids, d2t=d2t,
+        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=cfg.draft_layer_ids, d2t=d2t,
                                         t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
         log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
                  layer_config.num_attention_heads, layer_config.head_dim, layer_config.intermediate_size,
@@ -217,7 +218,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
                          f"{t.finetune_from}: rerun 03_build_vocab_mapping.py")
     try:
         model, ckpt, info = draft.load_finetune_draft(t.finetune_from, verifier=s.verifier, d2t=d2t, t2d=t2d,
-                                                      aux_layer_ids=s.aux_layer_ids, ttt_steps=t.ttt_steps,
+                                                      aux_layer_ids=cfg.draft_layer_ids, ttt_steps=t.ttt_steps,
                                                       attn_impl=attn_impl)
     except draft.DraftFormatError as e:
         raise StageError(str(e)) from None
@@ -228,7 +229,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
         log.warning("%s names no aux layer ids: vLLM and SGLang then capture their default (2, L/2, L-3), for this "
                     "%d-layer verifier %s; taking those as the layers it was trained on", t.finetune_from, num_layers,
                     ckpt_ids)
-    _check_aux_ids(ckpt_ids, s.aux_layer_ids, t.finetune_from)
+    _check_aux_ids(ckpt_ids, cfg.draft_layer_ids, t.finetune_from)
     if summary.source == "checkpoint" and info["remapped"]:
         raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
     log.info("warm start from %s (vocab %s%s)", t.finetune_from, summary.source,
@@ -419,13 +420,15 @@ def train_dtype(device: torch.device) -> torch.dtype:
 
 def make_collate(dataset, cfg: PipelineConfig):
     """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
-    stays e4m3 until train_data.to_device on the device)."""
+    stays e4m3 until train_data.to_device on the device), the draft's layers of those stored, shifted for
+    EAGLE-3 (train_data.DraftStates)."""
     from speculators.train.data import CollateFn
 
-    from .train_data import shift_batch_with_scales
+    from .train_data import DraftStates
 
-    return CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
-                     dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
+    preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft == "eagle3")
+    return CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=len(cfg.draft_layer_ids),
+                     dtype=dataset.hidden_states_dtype, preprocess=preprocess)
 
 
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
@@ -626,6 +629,7 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
         "train.warmup_ratio": t.warmup_ratio, "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: ranks.world * t.grad_accum,
+        **draft_family(cfg, torch.device("cpu")).identity(),  # the draft family and its own settings
     }
     layout = f"{ranks.world} x {t.grad_accum}"
     record = json.loads(dd.train_run.read_text()) if dd.train_run.exists() else None
@@ -715,10 +719,8 @@ def run_train(cfg: PipelineConfig) -> Path:
 
 
 def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
-    from speculators.losses import resolve_loss_config
     from speculators.train.recovery import RECOVERY_METADATA_KEY
 
-    from . import draft
     from .train_data import device_batches
 
     started = time.time()
@@ -775,9 +777,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       gradient_as_bucket_view=True, **no_sync)
 
-    loss_config = resolve_loss_config(LOSS_NAME, "eager")
-    call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
-    keys = metric_keys(t.ttt_steps)
+    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export
+    call_kwargs, keys = family.call_kwargs, family.keys
     source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
     plans = {p.epoch: p for p in run_plan(epoch_batches, state, t.max_steps, world, accum, ranks.rank)}
@@ -832,7 +833,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     weight = world / present if real else 0.0
                     last = micro == accum - 1  # gradients are all-reduced once a step, after the last micro-step
                     with nullcontext() if last or net is model else net.no_sync():
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                        with family.row_rng(epoch, position), \
+                                torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                             _, loss, metrics = net(**gpu, **call_kwargs)
                         (loss * weight).backward()
                     if real:
@@ -848,7 +850,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 if state.step % t.log_every == 0 or state.step == cap:
                     totals, (tokens_all, skipped_all) = reduce_metrics(sums, keys, device, [tokens_seen, skipped],
                                                                        ranks.distributed)
-                    row = summarize(totals, t.ttt_steps)
+                    row = family.summarize(totals)
                     rate = tokens_all / max(time.monotonic() - t0, 1e-9)
                     if ranks.main:
                         metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
@@ -857,9 +859,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                                            "loader_wait_s": waited.get("loader_wait_s", 0.0),
                                            "skipped_samples": int(skipped_all), "rows": int(totals["loss_total"]),
                                            **row})
-                        progress.set_fields(loss=f"{row['loss']:.3f}", **{
-                            f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
-                            **{"tok/s": f"{rate:.0f}"})
+                        progress.set_fields(**family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
                 if progress is not None:
                     progress.update(1)
                 if state.step % t.checkpoint_every == 0:
@@ -885,10 +885,11 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                          "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
                          "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
                          len(rows) - record["from_row"])
-            if val_ds is not None:
+            if val_ds is not None:  # this rank's i-th held-out row is row rank + i * world of their packing
                 ev_sums = evaluate_sums(model, device_batches(source.evaluation(epoch), device, dtype), autocast,
-                                        call_kwargs, keys, device)
-                ev = summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0], t.ttt_steps)
+                                        call_kwargs, keys, device,
+                                        row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))
+                ev = family.summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0])
                 if ranks.main:
                     metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
                     log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
@@ -915,18 +916,16 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
 
     def export() -> Path:
         model.to("cpu")
-        if t.export_format == "speculators":
-            out = draft.export_speculators(model, dd.final_checkpoint)
-        else:
-            out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
-        plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
+        out = family.export(model, dd.final_checkpoint, base_config)
+        family.plot(dd.train_metrics, dd.train_curves)
         write_provenance(dd.provenance(dd.checkpoints), stage="train",
                          config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
                          inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
                          counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples,
                                  "world_size": world, "grad_accum": accum, "rows_per_step": group},
                          started=started)
-        log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
+        log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out,
+                 "dflash" if t.draft == "dflash" else t.export_format, state.step,
                  dd.train_curves, time.time() - started)
         return out
 
