@@ -107,10 +107,12 @@ def resolve_mask_token(cfg: PipelineConfig) -> tuple[str, int]:
     name, where = cfg.vocab.mask_token, cfg.tokenizer_path
     tokenizer = load_tokenizer(where, cfg.shared.trust_remote_code)
     token_id = tokenizer.get_vocab().get(name)
-    specials = sorted(str(t) for t in tokenizer.added_tokens_decoder.values())
     if token_id is None:
-        raise StageError(f"vocab.mask_token {name!r}: no token of that name in {where}'s tokenizer; its special "
-                         f"tokens: {', '.join(specials[:12])}{' ...' if len(specials) > 12 else ''} (--mask-token)")
+        named = {k: getattr(tokenizer, k) for k in ("mask_token", "unk_token", "pad_token") if getattr(tokenizer, k)}
+        specials = sorted(str(t) for t in tokenizer.added_tokens_decoder.values())
+        raise StageError(f"vocab.mask_token {name!r}: no token of that name in {where}'s tokenizer (its "
+                         f"{', '.join(f'{k} {v!r}' for k, v in named.items())}; {len(specials)} special tokens in "
+                         "all): name one that never occurs in text (--mask-token)")
     if name not in tokenizer.all_special_tokens and token_id not in tokenizer.added_tokens_decoder:
         raise StageError(f"vocab.mask_token {name!r} (id {token_id}) is a regular piece of text in {where}'s "
                          "tokenizer, not a special token: rows would hold it where the draft reads a mask. Name a "
