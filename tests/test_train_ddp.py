@@ -198,3 +198,44 @@ def test_grad_accum_and_the_new_train_keys_are_checked_at_start():
     for key, value in (("grad_accum", 0), ("keep_checkpoints", -1), ("nproc_per_node", -1), ("min_free_gb", -1.0)):
         with pytest.raises(ConfigError, match=r"train.grad_accum must be >= 1"):
             load_config(None, {"train": {key: value}, "shared": {"max_seq_len": 1024}}).validate("train")
+
+
+# -- issue 31: a DFlash draft under torchrun: its random anchors are drawn per packed row -------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_runs(toy_llama, tmp_path_factory):
+    """A DFlash draft trained by 2 torchrun processes and by 1 process x grad_accum 2 on the same rows."""
+    from tests.test_draft_fixtures import dflash_config
+
+    root = tmp_path_factory.mktemp("ddp_dflash")
+    rows = make_rows(ROWS["num_rows"], seed=ROWS["seed"])
+    for name, accum in (("a", 1), ("b", 2)):
+        write_rows(root / name, rows)
+        write_hidden_states(root / name, toy_llama, rows)
+        cfg = dflash_config(root / name, toy_llama, **{**TRAIN, "grad_accum": accum})
+        run_vocab(cfg)
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    res = subprocess.run(_torchrun(root / "a.yaml"), cwd=REPO, env=_env(), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run_train(dflash_config(root / "b", toy_llama, **{**TRAIN, "grad_accum": 2}))
+    return root / "a", root / "b"
+
+
+def test_dflash_two_processes_train_what_one_process_with_grad_accum_2_does(dflash_runs):
+    """Each packed row's anchors come from its place in the packing, not from the rank that trains it: the loss,
+    expected acceptance length and held-out figures of 2 ranks equal 1 process x grad_accum 2, and so do the
+    weights."""
+    a, b = dflash_runs
+    ta, tb = _metrics(a, "train"), _metrics(b, "train")
+    assert [r["step"] for r in ta] == [r["step"] for r in tb] == list(range(1, STEPS + 1))
+    for x, y in zip(ta, tb):
+        for key in ("loss", "eal", "acc", "pos_acc_1", "blocks", "block_tokens", "lr"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    assert [r["rows"] for r in ta] == [2, 2, 2, 2, 1] * 2
+    for x, y in zip(_metrics(a, "eval"), _metrics(b, "eval"), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["eal"] == pytest.approx(y["eal"], rel=1e-5)
+    wa, wb = _weights(a, STEPS), _weights(b, STEPS)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(_weights(a, 2)[k], wa[k]) for k in wa)  # it trained
