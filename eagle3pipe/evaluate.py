@@ -4,9 +4,9 @@ position, and tokens/s with and without each draft by concurrency.
 Drafts side by side: the exported draft (``--draft``, default ``checkpoints/final``) and every
 ``--baseline-draft DIR``, each on its own server with the same verifier, each at its own k: an EAGLE-3 draft at
 ``evaluate.num_speculative_tokens`` (``--speculative-config {"method": "eagle3", "model": DRAFT,
-"num_speculative_tokens": k}``), a DFlash draft (speculators' or z-lab's format) at its block size - 1 (``"method":
-"dflash"``); then the verifier alone (unless ``--no-baseline``; or ``--baseline-url``). One server at a time: each serves the whole verifier.
-Each server gets every prompt set (``--prompts`` and ``evaluate.benchmarks``, ``eval_sets.py``) at every
+"num_speculative_tokens": k}``), a DFlash draft (speculators' or z-lab's format) at its block size - 1
+(``"method": "dflash"``); then the verifier alone (unless ``--no-baseline``; or ``--baseline-url``). One server at
+a time: each serves the whole verifier. Each server gets every prompt set (``--prompts`` and ``evaluate.benchmarks``, ``eval_sets.py``) at every
 ``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
 ``shared.thinking``). Measures, per draft and set:
 

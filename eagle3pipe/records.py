@@ -1222,7 +1222,8 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 #
 #   eval/report.json   {format_version, config_hash, config, num_speculative_tokens (the exported draft's k),
 #                      num_speculative_tokens_by_draft: {draft: k} (each draft at its own k: an EAGLE-3 draft at
-#                      evaluate.num_speculative_tokens, a DFlash draft at its block size - 1), num_prompts, concurrency: [..],
+#                      evaluate.num_speculative_tokens, a DFlash draft at its block size - 1), num_prompts,
+#                      concurrency: [..],
 #                      benchmarks: [{name, source, size, prompt_ids}], drafts: [{name, folder, server: {command,
 #                      env, log, start_s} | {url}}], verifier_alone: {server} | null,
 #                      acceptance: {draft: {set: {acceptance_length, per_position_acceptance, drafts, draft_tokens,
@@ -1257,10 +1258,12 @@ def eval_markdown_table(report: dict) -> str:
 
     ks = draft_ks(report)
     if len(set(ks.values())) > 1:  # drafts at their own k (EAGLE-3 beside DFlash): the column says which
-        report = {**report, "acceptance": {f"{c} (k={ks[c]})": v for c, v in report["acceptance"].items()},
-                  "tokens_per_s": {(f"{c} (k={ks[c]})" if c in ks else c): v for c, v in report["tokens_per_s"].items()},
-                  "speedup": {f"{c} (k={ks[c]})": v for c, v in report["speedup"].items()}}
-        drafts = [f"{c} (k={ks[c]})" for c in drafts]
+        def label(c: str) -> str:
+            return f"{c} (k={ks[c]})" if c in ks else c
+
+        report = {**report, **{key: {label(c): v for c, v in report[key].items()}
+                               for key in ("acceptance", "tokens_per_s", "speedup")}}
+        drafts = [label(c) for c in drafts]
         k_text = "each draft at its own k (draft tokens per step, in its column)"
     else:
         k_text = f"k = {report['num_speculative_tokens']} draft tokens per step"

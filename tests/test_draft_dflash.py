@@ -131,9 +131,10 @@ def make_zlab_checkpoint(folder: Path, seed: int = 0, **config_extra) -> Path:
     w = {"fc.weight": mat(h, 3 * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
     for i in range(z["layers"]):
         p = f"layers.{i}."
+        q, kv = z["heads"] * d, z["kv_heads"] * d
         w |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
-              p + "self_attn.q_proj.weight": mat(z["heads"] * d, h), p + "self_attn.k_proj.weight": mat(z["kv_heads"] * d, h),
-              p + "self_attn.v_proj.weight": mat(z["kv_heads"] * d, h), p + "self_attn.o_proj.weight": mat(h, z["heads"] * d),
+              p + "self_attn.q_proj.weight": mat(q, h), p + "self_attn.k_proj.weight": mat(kv, h),
+              p + "self_attn.v_proj.weight": mat(kv, h), p + "self_attn.o_proj.weight": mat(h, q),
               p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
               p + "mlp.gate_proj.weight": mat(z["inter"], h), p + "mlp.up_proj.weight": mat(z["inter"], h),
               p + "mlp.down_proj.weight": mat(h, z["inter"])}
@@ -324,7 +325,8 @@ def test_vllm_reads_the_export_as_trained_on_a_k25_shaped_verifier(tmp_path, toy
     assert served["aux_ids"] == DFLASH_IDS and set(served["aux_ids"]) <= set(captured) == set(UNION)
     assert served["dflash_config"]["target_layer_ids"] == [k - 1 for k in DFLASH_IDS]  # z-lab's convention
     assert served["dflash_config"]["mask_token_id"] == load_vocab_summary(DataDir(data).vocab_summary).mask_token_id
-    assert served["speculative"] == {"method": "dflash", "num_speculative_tokens": DFLASH_TRAIN["dflash_block_size"] - 1}
+    k = DFLASH_TRAIN["dflash_block_size"] - 1
+    assert served["speculative"] == {"method": "dflash", "num_speculative_tokens": k}
     assert served["causal"] == [False] * DFLASH_TRAIN["dflash_num_layers"]  # bidirectional, as speculators trains
     trained_rope = Qwen3RotaryEmbedding(layer_config_from_checkpoint(read_checkpoint(out, 8)))
     assert served["rope_mscale"] == pytest.approx(trained_rope.attention_scaling, rel=1e-6)

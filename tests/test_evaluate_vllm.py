@@ -72,6 +72,25 @@ def early_and_trained_drafts(tmp_path_factory, ci_server):
     return early_copy, trained
 
 
+@pytest.fixture(scope="module")
+def dflash_draft(tmp_path_factory, early_and_trained_drafts):
+    """A DFlash draft (issue 31) trained on the same rows and hidden states as the EAGLE-3 drafts (their data
+    dir's folders linked), 03 resolving its mask token, then 04: 2 layers, block 8 (vLLM's k = 7)."""
+    import os
+
+    from tests.test_draft_fixtures import DFLASH_TRAIN, TOY_MASK_TOKEN
+
+    _, trained = early_and_trained_drafts
+    work = DataDir(trained.parent.parent)
+    dflash = tmp_path_factory.mktemp("dflash")
+    for name in ("prepared", "synthetic", "hidden_states"):
+        os.symlink(work.root / name, dflash / name)
+    train = {**DFLASH_TRAIN, "dflash_block_size": 8, "epochs": 3, "learning_rate": 0.002, "eval_fraction": 0.0}
+    cfg = _ci_config(dflash, train=train, vocab={"mask_token": TOY_MASK_TOKEN})
+    run_vocab(cfg)
+    return run_train(cfg)
+
+
 def _write_sets(folder: Path) -> tuple[Path, Path]:
     """Held-out toy questions as a GSM8K-schema JSONL and a MATH-500-schema parquet file."""
     chats = folder / "held_out.jsonl"
@@ -183,6 +202,36 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM")]
     assert len(started) == 2 and all("--tensor-parallel-size 1" in m for m in started)
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(tmp_path, dflash_draft,
+                                                                        early_and_trained_drafts):
+    """Issue 31: 05 serves the DFlash draft with method dflash at its own k (block 8: 7 tokens a step) beside the
+    EAGLE-3 draft trained on the same rows at k = 3, same verifier and prompts; vLLM accepts DFlash drafts
+    (acceptance length > 1), and each column's figures are what its own per-request counters add up to."""
+    _, trained = early_and_trained_drafts
+    gsm8k, _ = _write_sets(tmp_path)
+    cfg = _ci_config(tmp_path / "data", evaluate={
+        "draft": str(dflash_draft), "baseline_draft": [f"eagle3={trained}"], "benchmarks": [f"gsm8k={gsm8k}"],
+        "prompts": "", "num_prompts": 3, "concurrency": [2], "num_speculative_tokens": 3,
+        "max_completion_tokens": 48, "server_args": SERVER_FLAGS, "baseline": False})
+    cfg.validate("evaluate")
+    report = run_evaluate(cfg)
+    assert report["num_speculative_tokens_by_draft"] == {"draft": 7, "eagle3": 3}
+    for name, k in (("draft", 7), ("eagle3", 3)):
+        got = report["acceptance"][name]["gsm8k"]
+        raw = report["runs"][name]["gsm8k"]["by_concurrency"]["2"]["per_request"]
+        want = _recount(raw)
+        assert {key: got[key] for key in want} == want and want["draft_tokens"] == k * want["drafts"] > 0, name
+        assert len(got["per_position_acceptance"]) == k
+    dflash = report["acceptance"]["draft"]["gsm8k"]
+    assert dflash["accepted_tokens"] > 0 and dflash["acceptance_length"] > 1.0, dflash
+    argv = report["drafts"][0]["server"]["command"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "dflash", "model": str(dflash_draft.resolve()), "num_speculative_tokens": 7}
+    md = DataDir(tmp_path / "data").eval_markdown.read_text()
+    assert "| benchmark | draft (k=7) | eagle3 (k=3) |" in md and "each draft at its own k" in md
 
 
 @pytest.mark.integration
