@@ -7,6 +7,8 @@ Usage:
         --num-prompts 80 --num-speculative-tokens 3 --baseline-draft /models/Kimi-K2-Instruct-eagle3 \
         --concurrency 1 8 16
     python 05_evaluate.py --config configs/kimi_k25.yaml --benchmarks gsm8k=gsm8k_test.jsonl  # offline copy
+    python 05_evaluate.py --config configs/kimi_k25_dflash.yaml --benchmarks mtbench gsm8k humaneval math500 \
+        --baseline-draft eagle3=/data/eagle3-kimi-k25/checkpoints/final   # DFlash (k = 7) beside EAGLE-3 (k = 3)
     python 05_evaluate.py --config configs/kimi_k25.yaml --prompts held_out.jsonl \
         --eval-url http://gpu-box:8000 --baseline-url http://gpu-box:8001     # servers you started yourself
 Reads:  <data_dir>/checkpoints/final (or --draft DIR), each --baseline-draft DIR, the verifier folder, the prompt

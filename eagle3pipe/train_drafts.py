@@ -143,6 +143,10 @@ class DFlashFamily:
                                               head_dim=t.draft_head_dim, num_kv_heads=t.dflash_num_kv_heads,
                                               intermediate_size=t.draft_intermediate_size,
                                               trust_remote_code=s.trust_remote_code)
+            if layer.num_attention_heads % layer.num_key_value_heads:
+                raise StageError(f"a DFlash draft of {layer.num_attention_heads} heads cannot share keys/values "
+                                 f"among {layer.num_key_value_heads} KV heads: set --dflash-num-kv-heads to a "
+                                 "divisor of --draft-num-heads (0 = as many as the heads)")
             model = draft_dflash.build_model(layer, verifier=s.verifier, layer_ids=ids, d2t=d2t, t2d=t2d,
                                              block_size=self.block_size, mask_token_id=summary.mask_token_id,
                                              attn_impl=attn_impl)
