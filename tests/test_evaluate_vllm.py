@@ -226,6 +226,9 @@ def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(tmp_pat
         assert {key: got[key] for key in want} == want and want["draft_tokens"] == k * want["drafts"] > 0, name
         assert len(got["per_position_acceptance"]) == k
     dflash = report["acceptance"]["draft"]["gsm8k"]
+    eagle3 = report["acceptance"]["eagle3"]["gsm8k"]
+    print(f"\nDFlash k=7: acceptance length {dflash['acceptance_length']}, per position "
+          f"{dflash['per_position_acceptance']}; EAGLE-3 k=3: {eagle3['acceptance_length']}")
     assert dflash["accepted_tokens"] > 0 and dflash["acceptance_length"] > 1.0, dflash
     argv = report["drafts"][0]["server"]["command"]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
