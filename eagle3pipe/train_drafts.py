@@ -116,7 +116,10 @@ class DFlashFamily:
 
     def identity(self) -> dict:
         t = self.cfg.train
-        summary = load_vocab_summary(DataDir(self.cfg.data_dir).vocab_summary)
+        path = DataDir(self.cfg.data_dir).vocab_summary
+        if not path.exists():  # a StageError: rank 0 runs this alone and tells the other ranks (train.on_rank0)
+            raise StageError(f"{path} not found: run 03_build_vocab_mapping.py --draft dflash first")
+        summary = load_vocab_summary(path)
         return {"train.draft": self.name, "train.draft_layer_ids": self.cfg.draft_layer_ids,
                 "train.dflash": {"block_size": t.dflash_block_size, "num_layers": t.dflash_num_layers,
                                  "num_kv_heads": t.dflash_num_kv_heads, "max_anchors": self.anchors,
