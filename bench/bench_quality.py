@@ -14,7 +14,8 @@ the real stages through ``run_all.sh`` and reports vLLM's acceptance length at k
   tokens new to the map get the verifier's lm_head rows), lm_head frozen / trained;
 - (g) ``dflash``, ``dflash_b4``: a DFlash draft (issue 31: ``train.draft dflash``, 2 Qwen3 layers, the verifier's
   heads x 32 for queries, keys and values, its MLP width, mask token ``[PAD]``) on (b)'s rows and hidden states
-  (the same layers), block 8 (vLLM's k = 7) and block 4 (k = 3, EAGLE-3's), each served at its own k;
+  (the same layers), block 8 (vLLM's k = 7) and block 4 (k = 3, EAGLE-3's), each served at its own k, with
+  speculators' anchor density (a block per 16 row tokens); ``dflash_a4``: block 8 with a block per 4 row tokens;
 
 each for every ``--seeds`` value (``shared.seed``: sampling and training order). (c)-(f) link (b)'s
 prepared/synthetic (and, except (d), hidden_states/) folders instead of regenerating them. Results go to
@@ -48,8 +49,8 @@ from eagle3pipe.toy_reasoning import write_chat_datasets  # noqa: E402
 
 log = logging.getLogger("bench_quality")
 ARMS = ("human", "regen", "warm", "fp8", "regen_lmh", "warm_lmh", "warm_rebuild", "warm_rebuild_lmh", "dflash",
-        "dflash_b4")
-DFLASH_BLOCK = {"dflash": 8, "dflash_b4": 4}
+        "dflash_b4", "dflash_a4")
+DFLASH_BLOCK = {"dflash": 8, "dflash_b4": 4, "dflash_a4": 8}
 
 
 def arm_config(args, work: Path, arm: str, seed: int) -> Path:
@@ -69,7 +70,8 @@ def arm_config(args, work: Path, arm: str, seed: int) -> Path:
                         train_lm_head=arm.endswith("_lmh"))
     if arm in DFLASH_BLOCK:  # a small DFlash draft for the toy (K2.5's: configs/kimi_k25_dflash.yaml)
         cfg["train"].update(draft="dflash", dflash_block_size=DFLASH_BLOCK[arm], dflash_num_layers=2,
-                            draft_num_heads=0, draft_head_dim=32, dflash_num_kv_heads=0, draft_intermediate_size=0)
+                            draft_num_heads=0, draft_head_dim=32, dflash_num_kv_heads=0, draft_intermediate_size=0,
+                            dflash_max_anchors=args.total_seq_len // 4 if arm == "dflash_a4" else 0)
         cfg.setdefault("vocab", {})["mask_token"] = "[PAD]"  # the toy tokenizer's special never in the rows
     if arm.startswith("warm"):
         cfg["train"]["finetune_from"] = str(DataDir(work / f"human_s{seed}").final_checkpoint)
