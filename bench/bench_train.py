@@ -14,16 +14,16 @@ one plain process or torchrun (DDP).
    e2e run.
 
 3. ``--draft dflash`` (issue 31): the same for speculators' ``DFlashDraftModel`` at z-lab's K2.5 draft dims (6 Qwen3
-   layers of 64 heads x 128, 8 KV heads, MLP 18432, block 8, reading 6 verifier states: configs/kimi_k25_dflash.yaml),
-   ``train.dflash_max_anchors`` 0 (total_seq_len / 16 blocks a row), speculators' DFlash loss (ce, D-PACE), flex
-   attention (its forward is torch.compile'd on CUDA). Besides row tokens/s it reports the supervised block slots
-   a second (anchors x (block - 1)), which do not grow with the row length. ``--bare-tokens 8192 16384 32768`` is the
-   row-length sweep (each length at its own anchors).
+   layers of 64 heads x 128, 8 KV heads, MLP 18432, block 8, reading 6 verifier states:
+   configs/kimi_k25_dflash.yaml), ``--anchor-every`` 16 (total_seq_len / 16 blocks a row: train.dflash_max_anchors
+   0), speculators' DFlash loss (ce, D-PACE), flex attention (its forward is torch.compile'd on CUDA). Besides row
+   tokens/s it reports the supervised block slots a second (anchors x (block - 1)), which do not grow with the row
+   length. ``--bare-tokens 8192 16384 32768`` is the row-length sweep (each length at its own anchors).
 
 Usage (device): python bench/bench_train.py --work /tmp/bench --out $OUT
                 python bench/bench_train.py --work /tmp/bench --out $OUT --skip bare --storage fp8 --nproc 0 1
                 python bench/bench_train.py --draft dflash --work /tmp/bench --out $OUT --skip e2e \
-                    --bare-tokens 8192 16384 32768
+                    --bare-tokens 8192 16384 32768 [--anchor-every 4]
        (CPU smoke, and 1 vs 2 gloo processes on the toy): python bench/bench_train.py --tiny --nproc 0 2
                                                           python bench/bench_train.py --tiny --draft dflash
 """
@@ -258,7 +258,7 @@ def samples_needed(tokens: int, steps: int, lengths: tuple[int, int], fill: floa
 
 def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
         skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16",
-        overrides: dict | None = None, tag: str = "", draft_kind: str = "eagle3") -> dict:
+        overrides: dict | None = None, tag: str = "", draft_kind: str = "eagle3", anchor_every: int = 16) -> dict:
     """``04_train.py`` through its door on ``data_dir``: one plain process (``nproc`` 0) or torchrun with ``nproc``
     processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``. ``overrides``:
     config sections merged over these ({"train": {"data_source": "online"}, ...}); ``tag`` names its log/config."""
@@ -274,7 +274,8 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
     }
     if draft_kind == "dflash":
         values["train"].update(draft="dflash", dflash_num_layers=dims["dflash_layers"],
-                               dflash_num_kv_heads=dims["kv_heads"], dflash_block_size=dims["block"])
+                               dflash_num_kv_heads=dims["kv_heads"], dflash_block_size=dims["block"],
+                               dflash_max_anchors=max(1, tokens // anchor_every))
     for section, keys in (overrides or {}).items():
         values[section].update(keys)
     cfg = load_config(None, values)
@@ -318,7 +319,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="toy dims on CPU (smoke test of this script)")
     p.add_argument("--draft", choices=["eagle3", "dflash"], default="eagle3",
                    help="the draft family (train.draft): EAGLE-3 at K2.5 draft dims or z-lab's K2.5 DFlash dims")
-    p.add_argument("--anchors", type=int, default=0, help="dflash: blocks per row (0 = tokens / 16)")
+    p.add_argument("--anchor-every", type=int, default=16,
+                   help="dflash: one block per this many row tokens (16: speculators' 512 per 8192; 4 won on the toy)")
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default="")
     p.add_argument("--tokens", type=int, default=32768, help="packed-row length (train.total_seq_len; K2.5: 32768)")
@@ -365,7 +367,8 @@ def main() -> None:
     log.info("verifier shell written in %.1fs", time.perf_counter() - t0)
     def bare(n: int, steps: int, warmup: int, lm_head: bool = False) -> dict:
         if args.draft == "dflash":
-            return bare_step_dflash(verifier, dims, aux, n, steps, warmup, torch.device(device), args.anchors)
+            return bare_step_dflash(verifier, dims, aux, n, steps, warmup, torch.device(device),
+                                    max(1, n // args.anchor_every))
         return bare_step(verifier, dims, aux, n, steps, warmup, torch.device(device), lm_head)
 
     if args.skip != "bare":
@@ -403,7 +406,7 @@ def main() -> None:
                     results[key] = e2e(data, verifier, dims, aux, tokens, workers, device,
                                        skip_steps=args.skip_steps, drop_cache=args.drop_cache,
                                        log_every=args.log_every, nproc=nproc, storage=storage,
-                                       draft_kind=args.draft)
+                                       draft_kind=args.draft, anchor_every=args.anchor_every)
                     results[key]["data_tokens"] = n_tok
                     results[key]["data_samples"] = samples
                     log.info("%s: %s", key, results[key])
