@@ -26,10 +26,11 @@ def add_metrics(sums: dict | None, metrics: dict, keys: list[str]) -> dict:
 
 def reduce_metrics(sums: dict | None, keys: list[str], device: torch.device, extra: list[float] = (),
                    distributed: bool = False) -> tuple[dict[str, float], list[float]]:
-    """Sum ``sums`` (None: this rank trained no row) and ``extra`` over every rank with one all-reduce."""
-    zero = torch.zeros((), device=device)
-    vector = torch.stack([sums[k] if sums is not None else zero for k in keys]
-                         + [torch.tensor(float(x), device=device) for x in extra])
+    """Sum ``sums`` (None: this rank trained no row) and ``extra`` over every rank with one all-reduce, in float64:
+    counts such as the tokens seen stay exact to 2**53 (float32 rounds 3e9 tokens to a multiple of 256)."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    vector = torch.stack([sums[k].double() if sums is not None else zero for k in keys]
+                         + [torch.tensor(x, dtype=torch.float64, device=device) for x in extra])
     if distributed:
         import torch.distributed as dist
 
