@@ -620,11 +620,13 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
         "train.draft_intermediate_size": t.draft_intermediate_size,
         "hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens],
         "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
-        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step), the held-out split, the
-        # TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or (lm_head)
-        # does not load the optimizer state at all
+        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step, peak rate), the held-out
+        # split, the TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or
+        # (lm_head) does not load the optimizer state at all. The peak rate lives in the optimizer's and scheduler's
+        # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
-        "train.warmup_ratio": t.warmup_ratio, "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
+        "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: ranks.world * t.grad_accum,
     }
     layout = f"{ranks.world} x {t.grad_accum}"

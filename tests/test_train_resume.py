@@ -63,12 +63,17 @@ def test_resume_refuses_a_changed_packing_schedule_split_unroll_or_lm_head_namin
     changes = {"shared.seed": ["--seed", "1"], "train.total_seq_len": ["--total-seq-len", "512"],
                "train.epochs": ["--epochs", "3"], "train.warmup_ratio": ["--warmup-ratio", "0.5"],
                "train.eval_fraction": ["--eval-fraction", "0.25"], "train.ttt_steps": ["--ttt-steps", "2"],
-               "train.train_lm_head": ["--train-lm-head"]}
+               "train.train_lm_head": ["--train-lm-head"],
+               # issue 26 item 12: the optimizer and scheduler state a resume loads hold the peak rate, so another
+               # --learning-rate was silently ignored
+               "train.learning_rate": ["--learning-rate", "5e-4"]}
     for key, flags in changes.items():
         argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", *flags)
         assert run_stage("train", "04_train", run_train, None, argv) == 2, key
         err = capsys.readouterr().err
         assert f"{key}: " in err and "then" in err and "--overwrite" in err, (key, err)
+        if key == "train.learning_rate":
+            assert "train.learning_rate: 0.0001 then, 0.0005 now" in err, err
         assert "ValueError" not in err and [s for s, _ in list_train_checkpoints(DataDir(tmp_path).checkpoints)] == [1]
     # with none of them changed it resumes (max_steps, log and checkpoint cadence may change)
     argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", "--log-every", "3")
