@@ -53,6 +53,7 @@ from .records import (
     load_vocab_mapping,
     load_vocab_summary,
     read_jsonl,
+    read_provenance,
     save_train_checkpoint,
     write_jsonl_atomic,
     write_provenance,
@@ -781,6 +782,11 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         log.info("resuming from %s: step %d, epoch %d, step %d of the epoch", resume_from[1], state.step, state.epoch,
                  state.batches_done)
     skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
+    if state.epoch >= t.epochs or (t.max_steps and state.step >= t.max_steps):  # a --resume of a finished run
+        log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
+                 f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
+        return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world,
+                                               _skipped_counts(skipped_before), reuse=True))
     net = model
     if ranks.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -986,12 +992,29 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world, counts))
 
 
+def _skipped_counts(skipped: list[SkippedSample]) -> dict[str, int]:
+    held_out = sum(s.held_out for s in skipped)
+    return {"trained": len(skipped) - held_out, "held_out": held_out}
+
+
+def _export_holds(dd: DataDir, step: int, export_format: str) -> bool:
+    """checkpoints/final/ holds the export of training step ``step`` in ``export_format`` (its provenance says)."""
+    prov = read_provenance(dd.provenance(dd.checkpoints))
+    return (dd.final_checkpoint.is_dir() and prov is not None and prov.get("counts", {}).get("steps") == step
+            and prov.get("config", {}).get("train", {}).get("export_format") == export_format)
+
+
 def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manifest, started: float, world: int,
-            skipped: dict[str, int]) -> Path:
-    """Export checkpoints/final/, curves and provenance (rank 0 alone)."""
+            skipped: dict[str, int], reuse: bool = False) -> Path:
+    """Export checkpoints/final/, curves and provenance (rank 0 alone). ``reuse``: a final/ that already holds this
+    step's export in this format is kept as it is."""
     from . import draft
 
     dd, s, t = DataDir(cfg.data_dir), cfg.shared, cfg.train
+    if reuse and _export_holds(dd, state.step, t.export_format):
+        log.info("train: %s already holds the export of step %d (%s)", dd.final_checkpoint, state.step,
+                 t.export_format)
+        return dd.final_checkpoint
     model.to("cpu")
     if t.export_format == "speculators":
         out = draft.export_speculators(model, dd.final_checkpoint)
