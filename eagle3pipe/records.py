@@ -8,7 +8,8 @@ Writer and reader of each file import this module, so a format is defined exactl
                     (written only when 01b finished)  run.json (01b's sampling settings, written at its start)
       hidden_states/  speculators-readable dataset + per-sample safetensors + manifest.json (see extract section)
       vocab/        draft vocabulary: counts, d2t, t2d (see vocab section)
-      checkpoints/  step_N/ training checkpoints, final/ exported draft
+      checkpoints/  step_N/ training checkpoints, final/ exported draft, metrics.jsonl, skipped.jsonl
+                    (SkippedSample), run.json, provenance.json
       eval/         report.json, report.md, acceptance.png
       logs/         <stage>.log, one per stage, appended
       locks/        <stage>.lock while a stage runs (StageLock: pid, host, start, command)
@@ -193,6 +194,12 @@ class DataDir:
     @property
     def train_metrics(self) -> Path:
         return self.checkpoints / "metrics.jsonl"
+
+    @property
+    def train_skipped(self) -> Path:
+        """Samples stage 04 trained or evaluated without because their states file failed a read check (one
+        SkippedSample line each)."""
+        return self.checkpoints / "skipped.jsonl"
 
     @property
     def train_run(self) -> Path:
@@ -1203,6 +1210,39 @@ def load_train_checkpoint(folder: Path) -> tuple[dict, dict, dict, TrainingState
     scheduler_state = json.loads((folder / CKPT_SCHEDULER_FILE).read_text())
     training_state = TrainingState(**json.loads((folder / CKPT_STATE_FILE).read_text()))
     return model_state, {"state": state, "param_groups": groups}, scheduler_state, training_state
+
+
+@dataclass
+class SkippedSample:
+    """A sample stage 04 read and trained (or evaluated) without: its states file failed a read check (states for
+    fewer or more tokens than its token ids, token ids that are not the row's). One line of
+    ``DataDir.train_skipped`` each, written by rank 0 for every rank; counted per epoch against --max-error-share."""
+
+    epoch: int  # 0-based
+    step: int  # the optimizer step (1-based) whose rows held it; held out: the step the evaluation followed
+    file: str  # the states file read
+    index: int  # its row in the rows dataset the file belongs to (hs_{index})
+    reason: str
+    held_out: bool = False  # read for the evaluation after the epoch, not trained
+    rank: int = 0  # the rank that read it
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "") -> "SkippedSample":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise FormatError(f"{where}: not a skipped-sample record ({e})") from None
+
+
+def load_skipped_samples(path: Path) -> list[SkippedSample]:
+    """Every SkippedSample of ``path`` (none when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [SkippedSample.from_json(d, f"{path}:{i}") for i, d in enumerate(read_jsonl(path), 1)]
 
 
 def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:

@@ -16,6 +16,11 @@ in torch's ``DistributedDataParallel`` (gradients averaged over ranks once per s
 ``train.grad_accum`` rows accumulate), every rank trains its share of one packing (``rank_rows``), metrics are
 all-reduced, and rank 0 alone touches files (``on_rank0``). A rank that dies is torchrun's to report: its elastic
 agent stops the others and names it.
+
+Every states file is checked as it is read (``train_data``): layer metadata that is not the manifest's stops the run;
+a file whose states are not one row per token id, or whose token ids are not its row's, is trained without, listed
+in checkpoints/skipped.jsonl with its file and reason (``train_metrics.SkippedSamples``: every rank's, written by
+rank 0), counted in the epoch's records; past --max-error-share of an epoch's samples the run checkpoints and stops.
 """
 
 from __future__ import annotations
@@ -33,24 +38,35 @@ from typing import Callable
 
 import torch
 
-from .cli import StageError
+from .cli import StageError, errors_allowed
 from .config import PipelineConfig
 from .progress import Progress
 from .records import (
     DataDir,
     JsonlAppender,
+    SkippedSample,
     TrainingState,
     list_train_checkpoints,
     load_hs_manifest,
+    load_skipped_samples,
     load_train_checkpoint,
     load_vocab_mapping,
     load_vocab_summary,
     read_jsonl,
+    read_provenance,
     save_train_checkpoint,
     write_jsonl_atomic,
     write_provenance,
 )
-from .train_metrics import add_metrics, evaluate_sums, metric_keys, plot_curves, reduce_metrics, summarize
+from .train_metrics import (
+    SkippedSamples,
+    add_metrics,
+    evaluate_sums,
+    metric_keys,
+    plot_curves,
+    reduce_metrics,
+    summarize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -332,16 +348,17 @@ def held_out_split(n: int, eval_fraction: float) -> float:
 
 def states_reader(manifest, files: Path, dtype: torch.dtype):
     """(transfer, dataset class, dtype the states are collated in) reading the per-sample files in ``files``: fp8
-    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``."""
-    from speculators.train.data import ArrowDataset
-
+    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``, and a
+    file whose states are not one row per token id or whose token ids are not its row's is skipped and listed
+    (train_data.CheckedArrowDataset). The offline and the online source (spool files) both read through it."""
     if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
         from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
 
         return Fp8KeptTransfer(files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
-    from .train_data import CheckedFileTransfer  # each file's layer ids checked against the manifest
+    # each file's layer ids checked against the manifest, its states length and token ids against its row
+    from .train_data import CheckedArrowDataset, CheckedFileTransfer
 
-    return CheckedFileTransfer(files, manifest), ArrowDataset, dtype
+    return CheckedFileTransfer(files, manifest), CheckedArrowDataset, dtype
 
 
 def _same_checkpoint(a: Path, b: Path) -> bool:
@@ -419,13 +436,12 @@ def train_dtype(device: torch.device) -> torch.dtype:
 
 def make_collate(dataset, cfg: PipelineConfig):
     """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
-    stays e4m3 until train_data.to_device on the device)."""
-    from speculators.train.data import CollateFn
+    stays e4m3 until train_data.to_device on the device); the samples the read checks skipped listed in the batch
+    (train_data.ListingCollateFn)."""
+    from .train_data import ListingCollateFn, shift_batch_with_scales
 
-    from .train_data import shift_batch_with_scales
-
-    return CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
-                     dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
+    return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
+                            dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
 
 
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
@@ -591,7 +607,7 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         for _, path in existing:
             shutil.rmtree(path)
         shutil.rmtree(dd.final_checkpoint, ignore_errors=True)
-        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors):
+        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors, dd.train_skipped):
             p.unlink(missing_ok=True)
     return None
 
@@ -620,11 +636,13 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
         "train.draft_intermediate_size": t.draft_intermediate_size,
         "hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens],
         "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
-        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step), the held-out split, the
-        # TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or (lm_head)
-        # does not load the optimizer state at all
+        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step, peak rate), the held-out
+        # split, the TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or
+        # (lm_head) does not load the optimizer state at all. The peak rate lives in the optimizer's and scheduler's
+        # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
-        "train.warmup_ratio": t.warmup_ratio, "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
+        "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: ranks.world * t.grad_accum,
     }
     layout = f"{ranks.world} x {t.grad_accum}"
@@ -651,16 +669,21 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
     atomic_write_json(dd.train_run, {"settings": now, "layout": layout})
 
 
-def _truncate_metrics(path: Path, state: TrainingState) -> None:
-    """Drop metric lines written after the checkpoint we resume from, so the log reads as one run."""
-    if not path.exists():
-        return
+def _truncate_records(dd: DataDir, state: TrainingState) -> list[SkippedSample]:
+    """Drop the lines of metrics.jsonl and skipped.jsonl written after the checkpoint the run starts from (every
+    line on a fresh start: a run killed before its first checkpoint), so each reads as one run and the steps
+    trained again are listed once; returns the skipped samples kept (rank 0 alone)."""
     from .records import repair_jsonl
 
-    repair_jsonl(path)
-    keep = [r for r in read_jsonl(path)
-            if (r["kind"] == "train" and r["step"] <= state.step) or (r["kind"] != "train" and r["epoch"] < state.epoch)]
-    write_jsonl_atomic(path, keep)
+    def after_step(r: dict) -> bool:  # a step's record, or the record of an epoch's end (rows, eval, online)
+        return r["step"] <= state.step if r.get("kind", "train") == "train" and not r.get("held_out") else \
+            r["epoch"] < state.epoch
+
+    for path in (dd.train_metrics, dd.train_skipped):
+        if path.exists():
+            repair_jsonl(path)
+            write_jsonl_atomic(path, [r for r in read_jsonl(path) if after_step(r)])
+    return load_skipped_samples(dd.train_skipped)
 
 
 def _checkpoint_bytes(model_state: dict, optimizer_state: dict) -> int:
@@ -716,9 +739,7 @@ def run_train(cfg: PipelineConfig) -> Path:
 
 def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     from speculators.losses import resolve_loss_config
-    from speculators.train.recovery import RECOVERY_METADATA_KEY
 
-    from . import draft
     from .train_data import device_batches
 
     started = time.time()
@@ -758,9 +779,14 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         model.load_state_dict(model_state, strict=False)
         optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(sched_state)
-        on_rank0(ranks, lambda: _truncate_metrics(dd.train_metrics, state))
         log.info("resuming from %s: step %d, epoch %d, step %d of the epoch", resume_from[1], state.step, state.epoch,
                  state.batches_done)
+    skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
+    if state.epoch >= t.epochs or (t.max_steps and state.step >= t.max_steps):  # a --resume of a finished run
+        log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
+                 f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
+        return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world,
+                                               _skipped_counts(skipped_before), reuse=True))
     net = model
     if ranks.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -787,6 +813,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
              "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
              "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
              manifest.num_samples, manifest.storage_dtype, device)
+    last_saved: list[TrainingState] = []
 
     def save(at: TrainingState) -> None:
         def write() -> None:
@@ -800,6 +827,32 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 log.info("deleted %s (train.keep_checkpoints %d)", gone, t.keep_checkpoints)
 
         on_rank0(ranks, write)
+        last_saved[:] = [at]
+
+    # samples a read check skipped (train_data.SkippedFile): listed in skipped.jsonl, and past --max-error-share of
+    # an epoch's samples (trained and held out, the share 02 and the online source take) the run stops
+    skips = SkippedSamples(dd.train_skipped, ranks, device, skipped_before)
+    epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
+    allowed = errors_allowed(cfg.extract.max_error_share, epoch_samples)
+
+    def stop_past_share(epoch: int, at: TrainingState) -> None:
+        """Past the share (global counts, as of the last sync: every rank decides alike): checkpoint ``at``, stop."""
+        skipped = skips.in_epoch(epoch)
+        if skipped <= allowed:
+            return
+        if last_saved != [at]:
+            save(at)
+        again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
+        fix = ("--resume reads them again from files extracted anew" if t.data_source == "online" else
+               "or rebuild hidden_states/ (02_extract_hidden_states.py --overwrite) and start over (--overwrite)")
+        need = math.ceil(skipped / epoch_samples * 1e4) / 1e4  # the smallest share (4 decimals) that allows them
+        while errors_allowed(need, epoch_samples) < skipped:
+            need = round(need + 1e-4, 4)
+        raise StageError(f"epoch {epoch + 1}: {skipped} of its {epoch_samples} samples skipped as they were read "
+                         f"(allowed {allowed}: --max-error-share {cfg.extract.max_error_share:g}); each is listed with "
+                         f"its file and reason in {dd.train_skipped}. Checkpoint {dd.checkpoint_step(at.step)} (step "
+                         f"{at.step}): to train on without them rerun {again} --resume --max-error-share {need:g}; "
+                         f"{fix}")
 
     progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
                          desc="Training") if ranks.main else None)
@@ -814,19 +867,19 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             start = state.batches_done if epoch == state.epoch else 0
             plan = plans[epoch].plan
             trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
+            not_given = 0  # samples of those rows the reader did not give (skipped, or online: failed)
             batches = device_batches(source.epoch(epoch, plans[epoch].rows), device, dtype, waited)
             for step_in_epoch in range(start, steps_per_epoch[epoch]):
                 present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
                 agree_stop(source, ranks)
                 optimizer.zero_grad(set_to_none=True)
-                sums, skipped = None, 0
+                sums = None
                 for micro in range(accum):
                     batch, gpu = next(batches)
                     position, real = plan[(step_in_epoch - start) * accum + micro]
-                    if real and batch.get("error_records"):  # speculators' reader skipped samples (ids differ)
-                        skipped += int(batch["error_records"])
-                        log.warning("epoch %d packed row %d: %d samples skipped: %s", epoch, position,
-                                    batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
+                    if real:
+                        skips.add(batch, epoch, state.step + 1)
+                        not_given += int(batch.get("error_records", 0))
                     # the step's gradient is the mean over its rows of each row's gradient: DDP averages over
                     # ranks, so each rank scales its rows by world / rows present (0 for a placeholder row)
                     weight = world / present if real else 0.0
@@ -845,9 +898,12 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 scheduler.step()
                 source.step_done()
                 state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
-                if state.step % t.log_every == 0 or state.step == cap:
-                    totals, (tokens_all, skipped_all) = reduce_metrics(sums, keys, device, [tokens_seen, skipped],
-                                                                       ranks.distributed)
+                logged = state.step % t.log_every == 0 or state.step == cap
+                saving = state.step % t.checkpoint_every == 0
+                if not ranks.distributed or logged or saving:  # under torchrun, a collective: at steps all share
+                    skips.sync()
+                if logged:
+                    totals, (tokens_all,) = reduce_metrics(sums, keys, device, [tokens_seen], ranks.distributed)
                     row = summarize(totals, t.ttt_steps)
                     rate = tokens_all / max(time.monotonic() - t0, 1e-9)
                     if ranks.main:
@@ -855,44 +911,61 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                                            "lr": lr_used, "tokens_per_s": rate,
                                            "tokens": int(tokens_all), "elapsed_s": time.monotonic() - t0,
                                            "loader_wait_s": waited.get("loader_wait_s", 0.0),
-                                           "skipped_samples": int(skipped_all), "rows": int(totals["loss_total"]),
-                                           **row})
+                                           "skipped_samples": sum(skips.trained.values()),
+                                           "rows": int(totals["loss_total"]), **row})
                         progress.set_fields(loss=f"{row['loss']:.3f}", **{
                             f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
                             **{"tok/s": f"{rate:.0f}"})
                 if progress is not None:
                     progress.update(1)
-                if state.step % t.checkpoint_every == 0:
+                if saving:
                     save(state)
+                stop_past_share(epoch, state)
                 if t.max_steps and state.step >= t.max_steps:
                     stopped = True
                     break
             if stopped:
                 break
             next(batches, None)  # lets the loader's epoch end (the plan held exactly its batches)
-            per_rank = [trained]
+            skips.sync()
+            per_rank = [(trained, not_given)]
             if ranks.distributed:
                 import torch.distributed as dist
 
                 per_rank = [None] * world
-                dist.all_gather_object(per_rank, trained)
+                dist.all_gather_object(per_rank, (trained, not_given))
             if ranks.main:
-                record = check_rows_trained(per_rank, rows, start, group, epoch)
+                record = check_rows_trained([r for r, _ in per_rank], rows, start, group, epoch)
+                # the samples trained: those packed less those the reader did not give (skipped.jsonl lists the
+                # ones a read check skipped; online, online_errors.jsonl the ones never extracted)
+                packed = record["samples"]
+                record.update(samples=packed - sum(n for _, n in per_rank), packed_samples=packed,
+                              skipped_samples=skips.listed_this_run[epoch])
                 metrics_log.write(record)
                 if (extra := source.epoch_record(epoch)) is not None:
                     metrics_log.write(extra)
-                log.info("epoch %d: %d packed rows trained (%d samples), each once, over %d rank%s (%s rows each); "
-                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
-                         "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
-                         len(rows) - record["from_row"])
+                log.info("epoch %d: %d packed rows trained (%d samples%s), each once, over %d rank%s (%s rows each); "
+                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"],
+                         f", {packed - record['samples']} not given by the reader" if packed > record["samples"]
+                         else "", world, "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])),
+                         record["from_row"], len(rows) - record["from_row"])
+            stop_past_share(epoch, state)
             if val_ds is not None:
-                ev_sums = evaluate_sums(model, device_batches(source.evaluation(epoch), device, dtype), autocast,
-                                        call_kwargs, keys, device)
+                def held_out(batches, epoch=epoch, step=state.step):
+                    for host, on_device in batches:
+                        skips.add(host, epoch, step, held_out=True)
+                        yield host, on_device
+
+                ev_sums = evaluate_sums(model, held_out(device_batches(source.evaluation(epoch), device, dtype)),
+                                        autocast, call_kwargs, keys, device)
                 ev = summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0], t.ttt_steps)
+                skips.sync()
                 if ranks.main:
-                    metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
+                    metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch,
+                                       "skipped_samples": skips.held_out[epoch], **ev})
                     log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
+            stop_past_share(epoch, state)
     except SourceStopped as e:
         if metrics_log is not None:
             metrics_log.close()
@@ -901,33 +974,60 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             # join: torchrun ends them
             raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
                              "torchrun command with --resume once a server answers") from None
+        skips.sync()  # every rank stops here (agreed): the samples of the steps kept are listed
         save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
         again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
         raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun {again} "
                          "--resume once a server answers") from None
     finally:
         source.close()
+        skips.close()
         if metrics_log is not None:
             metrics_log.close()
         if progress is not None:
             progress.close()
-    save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+    if last_saved != [state]:
+        save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+    counts = {"trained": sum(skips.trained.values()), "held_out": sum(skips.held_out.values())}
+    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world, counts))
 
-    def export() -> Path:
-        model.to("cpu")
-        if t.export_format == "speculators":
-            out = draft.export_speculators(model, dd.final_checkpoint)
-        else:
-            out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
-        plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
-        write_provenance(dd.provenance(dd.checkpoints), stage="train",
-                         config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
-                         inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
-                         counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples,
-                                 "world_size": world, "grad_accum": accum, "rows_per_step": group},
-                         started=started)
-        log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
-                 dd.train_curves, time.time() - started)
-        return out
 
-    return on_rank0(ranks, export)
+def _skipped_counts(skipped: list[SkippedSample]) -> dict[str, int]:
+    held_out = sum(s.held_out for s in skipped)
+    return {"trained": len(skipped) - held_out, "held_out": held_out}
+
+
+def _export_holds(dd: DataDir, step: int, export_format: str) -> bool:
+    """checkpoints/final/ holds the export of training step ``step`` in ``export_format`` (its provenance says)."""
+    prov = read_provenance(dd.provenance(dd.checkpoints))
+    return (dd.final_checkpoint.is_dir() and prov is not None and prov.get("counts", {}).get("steps") == step
+            and prov.get("config", {}).get("train", {}).get("export_format") == export_format)
+
+
+def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manifest, started: float, world: int,
+            skipped: dict[str, int], reuse: bool = False) -> Path:
+    """Export checkpoints/final/, curves and provenance (rank 0 alone). ``reuse``: a final/ that already holds this
+    step's export in this format is kept as it is."""
+    from . import draft
+
+    dd, s, t = DataDir(cfg.data_dir), cfg.shared, cfg.train
+    if reuse and _export_holds(dd, state.step, t.export_format):
+        log.info("train: %s already holds the export of step %d (%s)", dd.final_checkpoint, state.step,
+                 t.export_format)
+        return dd.final_checkpoint
+    model.to("cpu")
+    if t.export_format == "speculators":
+        out = draft.export_speculators(model, dd.final_checkpoint)
+    else:
+        out = draft.export_flat(model, dd.final_checkpoint, s.aux_layer_ids, base_config)
+    plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps)
+    write_provenance(dd.provenance(dd.checkpoints), stage="train",
+                     config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
+                     inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
+                     counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples,
+                             "world_size": world, "grad_accum": t.grad_accum, "rows_per_step": world * t.grad_accum,
+                             "skipped_samples": skipped["trained"], "skipped_held_out": skipped["held_out"]},
+                     started=started)
+    log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out, t.export_format, state.step,
+             dd.train_curves, time.time() - started)
+    return out

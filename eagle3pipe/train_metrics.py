@@ -1,12 +1,17 @@
-"""Stage 04's metrics: per-TTT-step loss and accuracy from speculators' metric sums, held-out evaluation, curves."""
+"""Stage 04's metrics: per-TTT-step loss and accuracy from speculators' metric sums, held-out evaluation, curves,
+and the samples the reader skipped (``SkippedSamples``)."""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from .records import read_jsonl
+from .records import JsonlAppender, SkippedSample, read_jsonl
+
+log = logging.getLogger(__name__)
 
 
 def metric_keys(ttt_steps: int) -> list[str]:
@@ -26,10 +31,11 @@ def add_metrics(sums: dict | None, metrics: dict, keys: list[str]) -> dict:
 
 def reduce_metrics(sums: dict | None, keys: list[str], device: torch.device, extra: list[float] = (),
                    distributed: bool = False) -> tuple[dict[str, float], list[float]]:
-    """Sum ``sums`` (None: this rank trained no row) and ``extra`` over every rank with one all-reduce."""
-    zero = torch.zeros((), device=device)
-    vector = torch.stack([sums[k] if sums is not None else zero for k in keys]
-                         + [torch.tensor(float(x), device=device) for x in extra])
+    """Sum ``sums`` (None: this rank trained no row) and ``extra`` over every rank with one all-reduce, in float64:
+    counts such as the tokens seen stay exact to 2**53 (float32 rounds 3e9 tokens to a multiple of 256)."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    vector = torch.stack([sums[k].double() if sums is not None else zero for k in keys]
+                         + [torch.tensor(x, dtype=torch.float64, device=device) for x in extra])
     if distributed:
         import torch.distributed as dist
 
@@ -92,3 +98,57 @@ def plot_curves(metrics_path: Path, out_png: Path, ttt_steps: int) -> None:
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     tmp.replace(out_png)
+
+
+class SkippedSamples:
+    """The samples the reader skipped (a states file that failed a read check: ``train_data.SkippedFile``), each
+    listed in checkpoints/skipped.jsonl (``records.SkippedSample``) and counted per epoch over every rank. Each rank
+    collects what it read (``add``); ``sync`` hands them to rank 0, which writes them, and gives every rank the
+    global counts. Under torchrun ``sync`` is a collective: every rank calls it at the same steps."""
+
+    def __init__(self, path: Path, ranks, device: torch.device, before: list[SkippedSample]):
+        self.ranks, self.device = ranks, device
+        self.pending: list[SkippedSample] = []  # this rank's, not yet synced
+        self.trained = Counter(s.epoch for s in before if not s.held_out)  # epoch: global count, resumed ones too
+        self.held_out = Counter(s.epoch for s in before if s.held_out)
+        self.listed_this_run = Counter()  # epoch: trained-without samples synced in this run (its rows records)
+        self.out = JsonlAppender(path, fsync_every=1) if ranks.main else None
+
+    def add(self, batch: dict, epoch: int, step: int, held_out: bool = False) -> None:
+        """Takes a host batch's skipped samples (``train_data.SKIPPED_KEY``), read for ``step`` of ``epoch``."""
+        from .train_data import SKIPPED_KEY
+
+        for e in batch.get(SKIPPED_KEY) or ():
+            log.warning("epoch %d step %d: skipped %s%s: %s", epoch + 1, step, e["file"],
+                        " (held out)" if held_out else "", e["reason"])
+            self.pending.append(SkippedSample(epoch=epoch, step=step, file=e["file"], index=e["index"],
+                                              reason=e["reason"], held_out=held_out, rank=self.ranks.rank))
+
+    def sync(self) -> int:
+        """Every rank's pending samples listed (rank 0 writes) and counted; returns how many were new."""
+        new, self.pending = self.pending, []
+        if self.ranks.distributed:
+            import torch.distributed as dist
+
+            count = torch.tensor([len(new)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(count)
+            if int(count.item()) == 0:
+                return 0
+            gathered = [None] * self.ranks.world
+            dist.all_gather_object(gathered, new)
+            new = [s for ranked in gathered for s in ranked]
+        for s in new:
+            (self.held_out if s.held_out else self.trained)[s.epoch] += 1
+            if not s.held_out:
+                self.listed_this_run[s.epoch] += 1
+            if self.out is not None:
+                self.out.write(s.to_json())
+        return len(new)
+
+    def in_epoch(self, epoch: int) -> int:
+        """Samples of ``epoch`` skipped so far, trained and held out, over every rank (as of the last ``sync``)."""
+        return self.trained[epoch] + self.held_out[epoch]
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()

@@ -198,3 +198,34 @@ def test_grad_accum_and_the_new_train_keys_are_checked_at_start():
     for key, value in (("grad_accum", 0), ("keep_checkpoints", -1), ("nproc_per_node", -1), ("min_free_gb", -1.0)):
         with pytest.raises(ConfigError, match=r"train.grad_accum must be >= 1"):
             load_config(None, {"train": {key: value}, "shared": {"max_seq_len": 1024}}).validate("train")
+
+
+REDUCE_TOKENS = """
+import os, torch, torch.distributed as dist
+from eagle3pipe.train_metrics import metric_keys, reduce_metrics
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+keys = metric_keys(1)
+sums = {k: torch.tensor(1.0) for k in keys}
+totals, (tokens,) = reduce_metrics(sums, keys, torch.device("cpu"), [1_500_000_001 + rank], distributed=True)
+print(f"rank {rank} tokens {tokens!r} loss_total {totals['loss_total']!r}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_token_count_is_reduced_exactly(tmp_path):
+    """Issue 26 item 12: the logged token count is all-reduced with the metric sums; in float32 its counts past
+    2**24 round (3e9 tokens to a multiple of 256). Alone, and over 2 gloo ranks under torchrun, it stays exact."""
+    from eagle3pipe.train_metrics import metric_keys, reduce_metrics
+
+    keys = metric_keys(1)
+    assert reduce_metrics(None, keys, torch.device("cpu"), [3_000_000_001])[1] == [3_000_000_001]
+    script = tmp_path / "reduce_tokens.py"
+    script.write_text(REDUCE_TOKENS)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=REPO, env=dict(_env(), PYTHONPATH=str(REPO)), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = (1_500_000_001 + 1_500_000_002)  # each rank's count, summed: 3_000_000_003
+    for rank in range(2):
+        assert f"rank {rank} tokens {float(want)!r} loss_total 2.0" in res.stdout, res.stdout
