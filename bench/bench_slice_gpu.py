@@ -157,6 +157,10 @@ def bench_vllm_slice(num_layers: int, aux: list[int], stage_runs: bool, vllm_ids
             say(f"{key}: nothing written, concurrency {c}: {RESULTS[key][f'no_write_c{c}']}")
             save()
         if stage_runs:
+            warm = storage / "stage_warmup"  # the first run in a process imports datasets etc.: not timed
+            write_rows(warm, 4, length, seed=2)
+            run_extract(cfg_for(warm, extract_url=[server.url], concurrency=4, storage_dtype="fp8"))
+            shutil.rmtree(warm, ignore_errors=True)
             for dtype in ("fp8", "bf16"):
                 d = storage / f"stage_{dtype}"
                 write_rows(d, ARGS.rows, length, seed=1)

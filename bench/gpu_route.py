@@ -91,7 +91,7 @@ def run(track: str, step: str, cmd: list[str], log: Path, env: dict | None = Non
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)  # run_all stops its stage, a stage stops its servers
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -297,7 +297,8 @@ def toy_track(name: str, verifier: Path, base: str | None, ready_02: threading.E
             shutil.copytree(w / name / sub, ref / sub, dirs_exist_ok=True)
         run(name, "02_transformers", [PY, "02_extract_hidden_states.py", "--config", str(cfg), "--data-dir", str(ref),
                                       "--backend", "transformers", "--device", "cpu" if ARGS.cpu else "cuda",
-                                      "--model-dtype", "float32"], w / "logs" / f"{name}_02_transformers.log")
+                                      "--model-dtype", "float32", "--server-args", ""],
+            w / "logs" / f"{name}_02_transformers.log")
         try:
             compare_states(name, w / name, ref, verifier, meta)
         except Exception:
@@ -413,13 +414,14 @@ async def _drill(url: str, model: str, storage: Path, outside: Path, hostile_req
     return out
 
 
-def drill_track(connector: str = "ours") -> None:
+def drill_track(connector: str = "ours", delay_s: float = 0.0) -> None:
     """``ours``: our connector (hostile paths, then the queued aborts); ``example``: vLLM's own example connector
     (the queued aborts only): what our connector's request_finished/get_finished replace."""
     from eagle3pipe import extract_vllm
     from eagle3pipe.config import load_config
     from eagle3pipe.server import ServerError, VllmServer
 
+    time.sleep(delay_s)
     w = ARGS.work
     name = "drill" if connector == "ours" else "drill_vllm_example"
     verifier = REPO / "data/ci/verifier"
@@ -545,10 +547,11 @@ def main() -> None:
         threads.append(guarded("k25", k25))
     if "online" in tracks:
         threads.append(guarded("online", online_track, ready_02))
+    # the drills start after the first wave of server starts (vLLM's imports and compiles take the CPUs)
     if "drill" in tracks:
-        threads.append(guarded("drill", drill_track, "ours"))
+        threads.append(guarded("drill", drill_track, "ours", 0 if ARGS.cpu else 75))
     if "drill_vllm_example" in tracks:
-        threads.append(guarded("drill_vllm_example", drill_track, "example"))
+        threads.append(guarded("drill_vllm_example", drill_track, "example", 0 if ARGS.cpu else 105))
     for t in threads:
         t.join(timeout=max(deadline_left() + 20, 1))
     record("run", "wall_s", round(time.monotonic() - T0, 1))
