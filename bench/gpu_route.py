@@ -11,7 +11,8 @@ profiling depends on what the others hold or free):
 - ``k25``: the release-shaped K2.5 toy (``eagle3pipe.toy --flavour kimi_k25``: MLA + MoE, remote-code tokenizer and
   config): the same stages; the states compared end to end and layer by layer (MoE: a bf16 router near-tie flips
   an expert, so the gate of tests/test_extract_vllm.py: each stored state run through the reference's layers to the
-  next stored id);
+  next stored id). Seen on the H200 with vLLM 0.26 (2026-12-02): its server does not start, vLLM's GPU MLA prefill
+  takes K2.5's head dims (nope 128, v 128) and the toy has 32/32; the track waits for a toy built with those;
 - ``online``: once ci's 02 is done, 04 ``--data-source online`` on ci's rows, starting its own extraction server on
   the same GPU, beside ci's offline 04: the two loss curves, the spool's high-water mark against its budget,
   tokens/s of each;

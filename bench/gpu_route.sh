@@ -11,7 +11,13 @@
 #                                   # K2.5 dims (bench_slice_gpu.py --part transformers)
 #   bash bench/gpu_route.sh route   # unpack the MoE kernels, install the wheels to /tmp/ours, then every stage on the
 #                                   # GPU for both toys, 04 online, the connector drill (bench/gpu_route.py)
+#   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25"): the export on vLLM's EAGLE-3
+#                                   # and the verifier alone (on 2026-12-02 the five tracks at once left ci's 05 past
+#                                   # route's deadline)
 #   bash bench/gpu_route.sh slice   # K2.5-dims slices served by vLLM with our connector (bench_slice_gpu.py --part vllm)
+#
+# Every call must carry the source copy (.gpuwork/src): a call whose carry leaves it out finds it gone (seen: the
+# 05 rerun of 2026-12-02 then found no data/ci/verifier).
 #
 # vLLM's processes see /tmp/site and this repository only (gpu_route.py writes an interpreter wrapper); ours see
 # /tmp/ours first (openai 3.x) then /tmp/site (pydantic etc.). Logs and results go to $OUT.
@@ -47,6 +53,13 @@ case "$1" in
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20
     python3 -c "import json,sys; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-7000:])"
     ;;
+  eval)
+    export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python
+    for c in ${CONFIGS:-ci}; do
+      timeout 280 python3 05_evaluate.py --config "/tmp/gr/$c.yaml" > "$OUT/${c}_05.log" 2>&1; say "05 $c: exit $?"
+      cp "/tmp/gr/$c/eval/report.json" "$OUT/${c}_report.json" && tail -20 "/tmp/gr/$c/eval/report.md"
+    done
+    ;;
   slice)
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 570 python3 bench/bench_slice_gpu.py --work /tmp/slice --out "$OUT" --part vllm --vllm-site /tmp/site "${@:2}" \
@@ -54,5 +67,5 @@ case "$1" in
     tail -c 6000 "$OUT/slice_vllm.log"
     tar -czf "$OUT/slice_logs.tar.gz" -C /tmp/slice --wildcards '*.log' 2>/dev/null
     ;;
-  *) echo "usage: bash bench/gpu_route.sh core|route|slice" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_route.sh core|route|eval|slice" >&2; exit 2 ;;
 esac
