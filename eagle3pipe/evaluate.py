@@ -227,18 +227,6 @@ def server_settings(cfg: PipelineConfig) -> dict:
     return settings
 
 
-def _redacted(argv: list[str]) -> list[str]:
-    """A server command line fit for report.json: the value of any --api-key flag replaced by ***."""
-    out = []
-    for i, arg in enumerate(argv):
-        if i and argv[i - 1] == "--api-key":
-            arg = "***"
-        elif arg.startswith("--api-key="):
-            arg = "--api-key=***"
-        out.append(arg)
-    return out
-
-
 @contextmanager
 def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict,
             what: str):
@@ -254,7 +242,7 @@ def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, ser
         server.start()
     except ServerError as e:  # a known failure (e.g. vLLM refused the draft): one line naming the log
         raise StageError(f"{what}: {e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
-    started = {"started_here": True, "command": _redacted(server.command()), "log": str(log_file),
+    started = {"started_here": True, "command": server.command(), "log": str(log_file),
                "env": {"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {},
                "start_s": round(server.start_seconds or 0.0, 1)}
     try:

@@ -215,13 +215,6 @@ def test_eval_report_round_trip_markdown_and_plot(tmp_path):
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_server_commands_in_the_report_hide_an_api_key():
-    from eagle3pipe.evaluate import _redacted
-
-    assert _redacted(["python", "--api-key", "s3cret", "--port", "1", "--api-key=x"]) == \
-        ["python", "--api-key", "***", "--port", "1", "--api-key=***"]
-
-
 def test_check_eval_report_rejects_wrong_position_count():
     report = _report(k=3)
     report["num_speculative_tokens"] = 4
