@@ -176,7 +176,8 @@ def test_server_args_is_a_list_from_one_cli_string_repeated_flags_or_yaml(stage,
     assert _server_args_of(one, key) == want
     alone = parse_stage_args(stage, base + ["--server-args", "--enforce-eager"])
     assert _server_args_of(alone, key) == ["--enforce-eager"]
-    repeated = parse_stage_args(stage, base + ["--server-args", "--enforce-eager", "--server-args=--max-model-len 4096"])
+    repeated = parse_stage_args(stage, base + ["--server-args", "--enforce-eager",
+                                               "--server-args=--max-model-len 4096"])
     assert _server_args_of(repeated, key) == want
     quoted = parse_stage_args(stage, base + ["--server-args", """--override-generation-config '{"a": 1}'"""])
     assert _server_args_of(quoted, key) == ["--override-generation-config", '{"a": 1}']
