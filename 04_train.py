@@ -5,12 +5,12 @@ export it for vLLM.
 Usage:
     python 04_train.py --config configs/kimi_k25.yaml
     torchrun --standalone --nproc-per-node 8 04_train.py --config configs/kimi_k25.yaml   # DDP, one GPU a rank
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id draft \
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id draft \\
         04_train.py --config configs/kimi_k25.yaml                                         # on every node
     python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
-    python 04_train.py --config configs/kimi_k25.yaml --data-source online --eval-fraction 0 --spool-gb 64 \
+    python 04_train.py --config configs/kimi_k25.yaml --data-source online --eval-fraction 0 --spool-gb 64 \\
         --extract-url http://node1:8000                                 # states from vLLM as training goes
 
 Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8; online: the rows stage 02 reads, and the states of the

@@ -3,11 +3,11 @@
 
 Usage:
     python 05_evaluate.py --config configs/demo.yaml
-    python 05_evaluate.py --config configs/kimi_k25.yaml --benchmarks mtbench gsm8k humaneval math500 \
-        --num-prompts 80 --num-speculative-tokens 3 --baseline-draft /models/Kimi-K2-Instruct-eagle3 \
+    python 05_evaluate.py --config configs/kimi_k25.yaml --benchmarks mtbench gsm8k humaneval math500 \\
+        --num-prompts 80 --num-speculative-tokens 3 --baseline-draft /models/Kimi-K2-Instruct-eagle3 \\
         --concurrency 1 8 16
     python 05_evaluate.py --config configs/kimi_k25.yaml --benchmarks gsm8k=gsm8k_test.jsonl  # offline copy
-    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts held_out.jsonl \
+    python 05_evaluate.py --config configs/kimi_k25.yaml --prompts held_out.jsonl \\
         --eval-url http://gpu-box:8000 --baseline-url http://gpu-box:8001     # servers you started yourself
 Reads:  <data_dir>/checkpoints/final (or --draft DIR), each --baseline-draft DIR, the verifier folder, the prompt
         sets (--prompts: one JSONL chat file; --benchmarks: known sets from the hub via `datasets`, NAME=FILE, or

@@ -37,6 +37,7 @@ table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acce
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -86,6 +87,26 @@ def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
     return columns
 
 
+@functools.cache
+def _text_hidden_size(verifier: str, trust_remote_code: bool) -> int:
+    from .verifier import load_text_config
+
+    text, _ = load_text_config(verifier, trust_remote_code)
+    return int(text.hidden_size)
+
+
+def verifier_hidden_size(cfg: PipelineConfig) -> int:
+    """The hidden size of the verifier the servers serve, from its own config.json (K2.5's nested text_config read
+    through), not shared.hidden_size: 05 takes --verifier alone, and that key's default is K2.5's."""
+    folder = Path(cfg.shared.verifier)
+    if not (folder / "config.json").is_file():
+        raise StageError(f"--verifier {folder}: no config.json there (a verifier folder in HF layout)")
+    try:
+        return _text_hidden_size(str(folder.resolve()), cfg.shared.trust_remote_code)
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise StageError(f"--verifier {folder / 'config.json'}: cannot be read as a model config ({e})") from None
+
+
 def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
     """Refuse, before any server starts, a draft folder vLLM would refuse or misuse: no config.json, not an EAGLE-3
     draft (flat LlamaForCausalLMEagle3 or speculators' eagle3), no weights, a hidden size other than the
@@ -113,9 +134,9 @@ def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
         raise StageError(f"{flag} {folder}: no *.safetensors weights")
     layer = config.get("transformer_layer_config") or {} if speculators else config
     hidden = layer.get("hidden_size")
-    if hidden is not None and int(hidden) != cfg.shared.hidden_size:
-        raise StageError(f"{flag} {config_path}: hidden_size {hidden}, the verifier's is {cfg.shared.hidden_size} "
-                         "(shared.hidden_size): a draft for another target")
+    if hidden is not None and int(hidden) != verifier_hidden_size(cfg):
+        raise StageError(f"{flag} {config_path}: hidden_size {hidden}, the verifier's is {verifier_hidden_size(cfg)} "
+                         f"({Path(cfg.shared.verifier) / 'config.json'}): a draft for another target")
     if speculators:
         return
     shapes = {}
@@ -206,18 +227,6 @@ def server_settings(cfg: PipelineConfig) -> dict:
     return settings
 
 
-def _redacted(argv: list[str]) -> list[str]:
-    """A server command line fit for report.json: the value of any --api-key flag replaced by ***."""
-    out = []
-    for i, arg in enumerate(argv):
-        if i and argv[i - 1] == "--api-key":
-            arg = "***"
-        elif arg.startswith("--api-key="):
-            arg = "--api-key=***"
-        out.append(arg)
-    return out
-
-
 @contextmanager
 def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict,
             what: str):
@@ -233,7 +242,7 @@ def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, ser
         server.start()
     except ServerError as e:  # a known failure (e.g. vLLM refused the draft): one line naming the log
         raise StageError(f"{what}: {e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
-    started = {"started_here": True, "command": _redacted(server.command()), "log": str(log_file),
+    started = {"started_here": True, "command": server.command(), "log": str(log_file),
                "env": {"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {},
                "start_s": round(server.start_seconds or 0.0, 1)}
     try:

@@ -104,7 +104,7 @@ def server_args(cfg: PipelineConfig, storage: Path, num_layers: int, max_model_l
     kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(Path(storage).resolve()),
                                         "storage_dtype": cfg.extract.storage_dtype}}
-    user = shlex.split(cfg.extract.server_args)
+    user = list(cfg.extract.server_args)
     args = ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
             "--no-enable-prefix-caching"]
     if not any(a.startswith("--max-model-len") for a in user):

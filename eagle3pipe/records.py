@@ -236,6 +236,11 @@ class DataDir:
     def stage_marker(self, stage: str) -> Path:
         return self.root / "run_all" / f"{stage}.done"
 
+    # run_all.sh: written (the config hash) when it starts a stage, removed once the stage finished; still there on
+    # the next run_all = that stage was interrupted with this config (04 then continues with --resume)
+    def stage_started(self, stage: str) -> Path:
+        return self.root / "run_all" / f"{stage}.started"
+
     # every stage door (cli.run_stage): held while the stage runs, so two copies of a stage never share a data dir
     def stage_lock(self, stage: str) -> Path:
         return self.root / "locks" / f"{stage}.lock"

@@ -737,8 +737,16 @@ class VllmServer:
                  startup_stall_s: float = 300.0, startup_timeout_s: float | None = None, stop_grace_s: float = 20.0,
                  env: dict[str, str] | None = None, tensor_parallel_size: int | None = None,
                  trust_remote_code: bool = False, gpu_memory_check: bool | None = None):
+        from .config import reserved_server_flag
+
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
+        # the address stays loopback and no secret enters the command line we log (the stages refuse these in
+        # server_args at start, naming the key; this guards every other caller)
+        reserved = [a for a in self.extra_args if reserved_server_flag(a)]
+        if reserved:
+            raise ValueError(f"VllmServer extra_args may not set {', '.join(a.split('=')[0] for a in reserved)}: the "
+                             f"server listens on 127.0.0.1 at its own port, and the API key comes from ${API_KEY_ENV}")
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else Path(f"/tmp/vllm-{self.port}.log")

@@ -106,8 +106,15 @@ def _recount(per_request: list[dict]) -> dict:
 
 
 @pytest.mark.integration
-def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog):
+def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog,
+                                                       monkeypatch):
+    import os
+
+    from eagle3pipe.server import API_KEY_ENV
+
     early, trained = early_and_trained_drafts
+    key = "k-" + os.urandom(8).hex()
+    monkeypatch.setenv(API_KEY_ENV, key)  # the servers started here require it; our clients send it
     gsm8k, math500 = _write_sets(tmp_path)
     k, num_prompts, levels = 3, 3, [1, 4]
     cfg = _ci_config(tmp_path / "data", evaluate={
@@ -183,6 +190,10 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM")]
     assert len(started) == 2 and all("--tensor-parallel-size 1" in m for m in started)
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # issue 26 item 8: the key is in no file the stage wrote (report.json with its config and commands, server logs)
+    written = [p for p in dd.root.rglob("*") if p.is_file()]
+    assert {dd.eval_report, dd.eval_server_log("draft"), dd.eval_server_log("baseline_draft_early")} <= set(written)
+    assert [p for p in written if key.encode() in p.read_bytes()] == []
 
 
 @pytest.mark.integration

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -230,11 +231,12 @@ def layer_by_layer(model, states: torch.Tensor, ids: list[int]) -> list[tuple[to
 MOE_ROWS = {"n": 10, "seed": 5, "min_len": 12, "max_len": 48}
 
 
-def _moe_extract(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False) -> list[dict]:
+def _moe_extract(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False,
+                 **extract) -> list[dict]:
     """The MoE rows through the vLLM backend (``<name>_vllm``) and the transformers backend (``<name>_ref``)."""
     rows = write_rows(storage / f"{name}_vllm", **MOE_ROWS)
     write_rows(storage / f"{name}_ref", **MOE_ROWS)
-    cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls)
+    cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls, **extract)
     cfg.shared.trust_remote_code = trust_remote_code
     run_extract(cfg)
     run_extract(make_cfg(storage / f"{name}_ref", toy))
@@ -270,17 +272,37 @@ def test_moe_deepseek_v3_states_layer_by_layer(storage, toy_deepseek, tmp_path_f
     _moe_gate(storage, toy_deepseek, "deepseek", rows)
 
 
+K25_SERVER_ARGS = ["--max-num-seqs", 8]  # extract.server_args as YAML gives a list (issue 29), the 8 a number
+K25_API_KEY = "k-" + os.urandom(8).hex()
+
+
 @pytest.fixture(scope="module")
 def k25_rows(storage, toy_kimi) -> list[dict]:
     """The release-shaped K2.5 toy's rows through stage 02 with no URL: the stage starts vLLM itself
-    (--trust-remote-code, the connector on PYTHONPATH); states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
-    return _moe_extract(storage, toy_kimi, "k25", [], trust_remote_code=True)
+    (--trust-remote-code, the connector on PYTHONPATH, extract.server_args a list) with $VLLM_API_KEY set, which
+    that server then requires and our client sends; states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
+    from eagle3pipe.server import API_KEY_ENV
+
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = K25_API_KEY
+    try:
+        return _moe_extract(storage, toy_kimi, "k25", [], trust_remote_code=True, server_args=K25_SERVER_ARGS)
+    finally:
+        if before is None:
+            del os.environ[API_KEY_ENV]
+        else:
+            os.environ[API_KEY_ENV] = before
 
 
 def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_kimi, k25_rows):
     _moe_gate(storage, toy_kimi, "k25", k25_rows)
     log = (storage / "k25_vllm/logs/02_vllm_server.log").read_text()
     assert "Eagle3HiddenStatesConnector" in log and "'trust_remote_code': True" in log
+    assert "'max_num_seqs': 8" in log  # the server_args list reached vLLM
+    # issue 26 item 8: the key is in no file of the run (states, manifest, provenance, errors, the server's log)
+    written = [p for p in (storage / "k25_vllm").rglob("*") if p.is_file()]
+    assert DataDir(storage / "k25_vllm").hs_manifest in written
+    assert [p for p in written if K25_API_KEY.encode() in p.read_bytes()] == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

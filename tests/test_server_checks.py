@@ -196,6 +196,21 @@ def test_serve_command_binds_loopback_unless_a_host_is_given_then_requires_the_k
     assert f'--host 10.0.0.7 --api-key "${API_KEY_ENV}"' in remote and "s3cret" not in remote  # never printed
 
 
+def test_the_launcher_refuses_extra_flags_that_move_the_server_off_loopback_or_carry_a_secret(tmp_path):
+    """Issue 26 items 7 and 8 where no config is involved (tests, scripts): vLLM keeps a flag's last value and takes
+    abbreviations and underscores, so each form is refused before a process starts; other flags pass."""
+    from eagle3pipe.server import VllmServer
+
+    for extra in (["--host", "0.0.0.0"], ["--hos=0.0.0.0"], ["--port", "80"], ["--api-key", "s3cret"],
+                  ["--api_key=s3cret"], ["--hf-token", "t"]):
+        with pytest.raises(ValueError, match=f"may not set {extra[0].split('=')[0]}") as e:
+            VllmServer(tmp_path, extra_args=["--enforce-eager", *extra])
+        assert "s3cret" not in str(e.value)
+    server = VllmServer(tmp_path, extra_args=["--max-model-len", "256", "--api-server-count", "1"], port=1234)
+    assert server.command()[-4:] == ["--max-model-len", "256", "--api-server-count", "1"]
+    assert server.command()[server.command().index("--host") + 1] == "127.0.0.1"
+
+
 class KeyCheckingServer:
     """Answers /v1/models and /health only to requests carrying ``Authorization: Bearer <key>`` (as vLLM started
     with --api-key guards /v1); records what each request carried."""
@@ -260,4 +275,4 @@ def test_01b_without_url_needs_server_args_and_run_all_plans_it_with_them(tmp_pa
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(json.dumps({**base, "generate": {"server_args": "--reasoning-parser kimi_k2"}}))
     assert "01b_generate" in [r["name"] for r in plan(str(cfg_path), [], REPO)]
-    assert load_config(REPO / "configs/kimi_k25.yaml").generate.server_args.startswith("--tensor-parallel-size 8 ")
+    assert load_config(REPO / "configs/kimi_k25.yaml").generate.server_args[:2] == ["--tensor-parallel-size", "8"]
