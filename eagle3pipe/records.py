@@ -147,6 +147,10 @@ class DataDir:
     def train_spool_rank(self, rank: int) -> Path:
         return self.train_spool / f"rank_{rank}"
 
+    def train_spool_rank_folders(self) -> list[Path]:
+        """The rank folders on disk: this job's, and any an earlier job with more ranks left."""
+        return sorted(p for p in self.train_spool.glob("rank_*") if p.is_dir())
+
     def train_spool_slot(self, rank: int, epoch: int, slot: int) -> Path:
         """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
@@ -155,9 +159,16 @@ class DataDir:
         """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after ``epoch``."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_eval_{slot}"
 
-    def train_spool_cache(self, rank: int) -> Path:
-        """train.cache_gb: the files hs_{i} of epoch 1 kept for later epochs (each checked again when reused)."""
-        return self.train_spool_rank(rank) / "cache"
+    @property
+    def train_spool_cache(self) -> Path:
+        """train.cache_gb: the files hs_{i} kept for later epochs, one folder for every rank (each file extracted by
+        one rank, its owner, and linked by any rank that reads it later, after checking it again)."""
+        return self.train_spool / "cache"
+
+    def train_spool_cache_word(self, file_index: int) -> Path:
+        """The owner's word on cached file ``file_index`` for the other ranks: {"bytes": n} once written and checked,
+        {"failed": reason} when it could not be."""
+        return self.train_spool_cache / f"hs_{file_index}.word.json"
 
     @property
     def train_online_errors(self) -> Path:

@@ -500,8 +500,9 @@ class OfflineBatches:
     def __init__(self, loader, sampler: EpochBatches, val_loader=None):
         self.loader, self.sampler, self.val_loader = loader, sampler, val_loader
 
-    def plan(self, epochs: list[EpochPlan]) -> None:
-        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself)."""
+    def plan(self, epochs: list[EpochPlan], every_rank: list[list[EpochPlan]] | None = None) -> None:
+        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself);
+        ``every_rank``: every rank's (online: the cache is planned for the whole job)."""
 
     def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
@@ -806,8 +807,9 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     keys = metric_keys(t.ttt_steps)
     source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
-    plans = {p.epoch: p for p in run_plan(epoch_batches, state, t.max_steps, world, accum, ranks.rank)}
-    source.plan(list(plans.values()))  # online: the spool fills across epoch boundaries
+    every_rank = [run_plan(epoch_batches, state, t.max_steps, world, accum, r) for r in range(world)]
+    plans = {p.epoch: p for p in every_rank[ranks.rank]}
+    source.plan(every_rank[ranks.rank], every_rank)  # online: the spool fills across epochs, one cache for all ranks
     log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
              "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
              "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
@@ -934,6 +936,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
 
                 per_rank = [None] * world
                 dist.all_gather_object(per_rank, (trained, not_given))
+            extra = source.epoch_record(epoch)  # every rank: online, it gathers every rank's counts
             if ranks.main:
                 record = check_rows_trained([r for r, _ in per_rank], rows, start, group, epoch)
                 # the samples trained: those packed less those the reader did not give (skipped.jsonl lists the
@@ -942,7 +945,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 record.update(samples=packed - sum(n for _, n in per_rank), packed_samples=packed,
                               skipped_samples=skips.listed_this_run[epoch])
                 metrics_log.write(record)
-                if (extra := source.epoch_record(epoch)) is not None:
+                if extra is not None:
                     metrics_log.write(extra)
                 log.info("epoch %d: %d packed rows trained (%d samples%s), each once, over %d rank%s (%s rows each); "
                          "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"],
