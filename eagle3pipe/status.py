@@ -265,8 +265,10 @@ def stage_status(dd: DataDir, cfg: PipelineConfig, name: str, drops: list[Drop])
             st.detail = f"took {format_duration(prov['elapsed_s'])}, finished {prov.get('finished', '?')}"
     elif _started(dd, name):
         st.state, st.detail = _outcome(_current_run(dd.log_file(name), name), name)
+    if st.state == "not started":
+        return st
     st.done, st.total, st.unit = _files_progress(dd, cfg, name)
-    lines = _progress_lines(_current_run(dd.log_file(name), name), name) if st.state != "not started" else []
+    lines = _progress_lines(_current_run(dd.log_file(name), name), name)
     if lines:
         if st.done is None:
             st.done, st.unit = sum(p["done"] for p in lines), lines[0]["unit"]
