@@ -262,7 +262,10 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
     sets = len(ev.benchmarks) + (1 if ev.prompts else 0)
     servers = (0 if ev.eval_url else 1) + (1 if ev.baseline and not ev.baseline_url else 0) + len(ev.baseline_draft)
     passes = 1 + (1 if ev.baseline else 0) + len(ev.baseline_draft)  # columns measured, each at every level
-    if ev.num_prompts:
+    if not sets:
+        out.stages.append(StageCost("05_evaluate", None, None, 0, None, "no evaluate.prompts nor evaluate.benchmarks: "
+                                    "not costed"))
+    elif ev.num_prompts:
         requests = passes * len(ev.concurrency) * sets * ev.num_prompts
         per_pass = sets * ev.num_prompts * ev.max_completion_tokens
         hours = passes * sum(per_pass / (c * p.evaluate_tokens_per_s) for c in ev.concurrency) / 3600 \
@@ -317,7 +320,7 @@ def format_costs(cfg: PipelineConfig, costs: RunCosts) -> str:
         lines.append(f"{st.name:<13} {_fmt(st.rows, ','):>10} {_fmt(st.tokens, ','):>15} "
                      f"{st.disk_bytes / GB:>10.1f} {_fmt(st.hours, '.2f'):>8}")
     lines.append(f"{'total':<13} {'':>10} {'':>15} {costs.disk_bytes / GB:>10.1f} {costs.hours:>8.2f}")
-    lines += [f"  {st.name}: {st.how}" for st in costs.stages]
+    lines += [f"  {st.name:<13} {st.how}" for st in costs.stages]
     where, free = free_bytes(cfg.data_dir)
     lines.append(f"disk: {costs.disk_bytes / GB:.1f} GB needed ({costs.bound_disk_bytes(cfg) / GB:.1f} GB if every "
                  f"row reached max_seq_len), {free / GB:.1f} GB free on {where}")
