@@ -14,10 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from eagle3pipe.doctor import probe_vllm_version
+from eagle3pipe.config import load_config
+from eagle3pipe.doctor import check_api_keys, check_servers, probe_vllm_version
 from eagle3pipe.records import hs_bytes_per_token
+from eagle3pipe.server import default_vllm_python, free_port
 from eagle3pipe.vllm_internals import version_problem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,3 +167,24 @@ def test_check_passes_on_a_ready_node_and_names_an_unproven_vllm_and_too_little_
     assert m, line
     assert float(m.group(3)) == round(need_gb, 1) and abs(float(m.group(4)) - free_gb) < 1.0
     assert "disk: the run needs" in full.stderr
+
+
+@pytest.mark.integration
+def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_path, vllm_server, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = load_config(_toy_config(tmp_path, shared={"vllm_url": [vllm_server.url]},
+                                  extract={"backend": "vllm", "extract_url": [vllm_server.url, closed]}))
+    checks = check_servers(cfg)
+    assert [c.status for c in checks] == ["ok", "ok", "FAIL"], [c.line() for c in checks]
+    served = probe_vllm_version(default_vllm_python())["version"]  # the server's own package, read independently
+    assert checks[0].message.startswith(f"{vllm_server.url} (shared.vllm_url) serves ['{vllm_server.served_model_name}']")
+    assert checks[1].message.endswith(f"vLLM {served}")  # its /version, inside the connector's range
+    assert checks[2].message.startswith(f"{closed} (extract.extract_url) does not answer")
+    assert check_api_keys(cfg).status == "skip"  # loopback only: no key needed
+
+    remote = load_config(_toy_config(tmp_path, shared={"vllm_url": ["http://node2:8000"]}))
+    missing = check_api_keys(remote)  # judged from the URL alone: nothing is sent to node2
+    assert missing.status == "FAIL" and "http://node2:8000" in missing.message and "VLLM_API_KEY" in missing.message
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert check_api_keys(remote).status == "ok"
