@@ -301,14 +301,14 @@ def run_status(cfg: PipelineConfig) -> tuple[list[StageStatus], list[Drop]]:
 def format_status(cfg: PipelineConfig, stages: list[StageStatus], drops: list[Drop]) -> str:
     now = time.strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"status of {cfg.data_dir} at {now}",
-             f"{'stage':<13} {'state':<11} {'progress':<24} {'rate':<14} {'eta':<20} dropped"]
+             f"{'stage':<13} {'state':<11} {'progress':<24} {'rate':<14} {'eta':<22} dropped"]
     for st in stages:
         progress = ""
         if st.done is not None:
             progress = f"{st.done}/{st.total if st.total is not None else '?'} {st.unit}"
         dropped = f"{sum(st.drops.values())}" + (f" ({', '.join(f'{k} {v}' for k, v in st.drops.items())})"
                                                  if st.drops else "")
-        lines.append(f"{st.name:<13} {st.state:<11} {progress:<24} {st.rate:<14} {st.eta:<20} {dropped}")
+        lines.append(f"{st.name:<13} {st.state:<11} {progress:<24} {st.rate:<14} {st.eta:<22} {dropped}")
         if st.detail:
             lines.append(f"{'':<13} {st.detail}")
     lines.append(f"dropped: {len(drops)} samples in all" + (":" if drops else ""))
