@@ -52,7 +52,8 @@ def format_duration(seconds: float) -> str:
 
 # what ``Progress.line`` prints (after the log record's "DATE TIME LEVEL logger: " prefix); ``parse_line`` reads it back
 PROGRESS_LINE = re.compile(r"(?P<desc>[^:]+): (?P<done>\d+)/(?P<total>\d+) \((?P<errors>\d+) errors\), "
-                           r"(?P<rate>[\d.]+) (?P<unit>\S+)/s(?P<extra>.*), elapsed: (?P<elapsed>\d+)s, eta: (?P<eta>\S+)$")
+                           r"(?P<rate>[\d.]+) (?P<unit>\S+)/s(?P<extra>.*), "
+                           r"elapsed: (?P<elapsed>\d+)s, eta: (?P<eta>\S+)$")
 
 
 def parse_line(message: str) -> dict | None:

@@ -99,7 +99,8 @@ def test_plan_of_the_k25_config_is_the_hand_calculation(tmp_path):
                                     f"{columns * len(ev.concurrency) * per_pass:,}", 0.0, f"{hours:.2f}")
     assert table["total"][2] == round(states_gb + train_gb, 1)
     free_gb = shutil.disk_usage(tmp_path).free / 1e9
-    m = re.search(r"disk: ([\d.]+) GB needed \(([\d.]+) GB if every row reached max_seq_len\), ([\d.]+) GB free", res.stdout)
+    m = re.search(r"disk: ([\d.]+) GB needed \(([\d.]+) GB if every row reached max_seq_len\), ([\d.]+) GB free",
+                  res.stdout)
     bound_gb = (requests * s.max_seq_len * per_token + requests * HS_FILE_HEADER_BYTES) / 1e9 + train_gb
     assert m and float(m.group(2)) == round(bound_gb, 1) and abs(float(m.group(3)) - free_gb) < 1.0
 

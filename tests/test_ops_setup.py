@@ -6,7 +6,6 @@ disk, and passes on a ready node."""
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
 import shutil
@@ -97,7 +96,7 @@ def test_vllm_python_refuses_an_unproven_vllm_and_otherwise_points_the_stages_at
     assert not (repo / ".venv-vllm").exists() and not (repo / ".venv").exists()  # refused before writing anything
 
     proven = fake_vllm_env(tmp_path / "proven", "0.33.0")
-    shared = tmp_path / "shared-venv"  # helper worktrees link .venv-vllm to a shared one: replaced, never written through
+    shared = tmp_path / "shared-venv"  # worktrees may link .venv-vllm to a shared one: replaced, never written through
     shared.mkdir()
     (repo / ".venv-vllm").symlink_to(shared)
     res = subprocess.run([script, "--vllm-python", str(proven)], capture_output=True, text=True, timeout=120)
@@ -178,7 +177,8 @@ def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_
     checks = check_servers(cfg)
     assert [c.status for c in checks] == ["ok", "ok", "FAIL"], [c.line() for c in checks]
     served = probe_vllm_version(default_vllm_python())["version"]  # the server's own package, read independently
-    assert checks[0].message.startswith(f"{vllm_server.url} (shared.vllm_url) serves ['{vllm_server.served_model_name}']")
+    served_names = [vllm_server.served_model_name]
+    assert checks[0].message.startswith(f"{vllm_server.url} (shared.vllm_url) serves {served_names}")
     assert checks[1].message.endswith(f"vLLM {served}")  # its /version, inside the connector's range
     assert checks[2].message.startswith(f"{closed} (extract.extract_url) does not answer")
     assert check_api_keys(cfg).status == "skip"  # loopback only: no key needed

@@ -42,7 +42,7 @@ def by_stage(view: dict) -> dict[str, dict]:
 def test_reason_key_is_the_kind_before_the_details():
     assert reason_key("too long: 40000 tokens > max_seq_len 32768 (truncation: drop)") == "too long"
     assert reason_key("non-finite hidden states (NaN/Inf)") == "non-finite hidden states"
-    assert reason_key("retryable: connection refused (a rerun of stage 02 retries it)") == "retryable: connection refused"
+    assert reason_key("retryable: connection refused (a rerun of 02 retries it)") == "retryable: connection refused"
     assert reason_key("duplicate conversation") == "duplicate conversation"
 
 
