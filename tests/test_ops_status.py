@@ -162,3 +162,15 @@ def test_status_after_a_finished_run(tmp_path, toy_llama):
     assert len(view["drops"]) == 2 and "dropped: 2 samples in all" in table
     for name in ("01_prepare", "02_extract", "03_vocab", "04_train"):
         assert f"{name:<13} done" in table
+
+
+def test_progress_lines_read_back_as_written():
+    from eagle3pipe.progress import Progress, parse_line
+
+    bar = Progress(25000, unit="req", use_tty=False, desc="shard 3", initial=2000)
+    bar.update(680, errors=22, avg_completion="1263 tokens")
+    line = bar.line()
+    parsed = parse_line(f"2026-12-02 10:00:00 INFO eagle3pipe.progress: {line}")
+    assert parsed["desc"] == "shard 3" and (parsed["done"], parsed["total"], parsed["errors"]) == (2680, 25000, 22)
+    assert parsed["unit"] == "req" and f"{parsed['rate']:.1f} req/s" in line and line.endswith(f"eta: {parsed['eta']}")
+    assert parse_line("2026-12-02 10:00:00 INFO eagle3pipe: 01b: 30 questions") is None
