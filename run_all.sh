@@ -6,6 +6,8 @@
 #   ./run_all.sh --config configs/kimi_k25.yaml [--vllm-url http://host:8000] [--from 02_extract | --only 04_train]
 #                [--to 04_train] [--force] [--allow-human-answers]
 #   nohup ./run_all.sh --config configs/kimi_k25.yaml > run_all.out 2>&1 &   tail -f run_all.out
+#   ./run_all.sh --config FILE --check | --plan | --status    (run nothing: check this node / cost the run / show
+#                                                              each stage's state, progress, ETA and drops)
 #
 # Each stage logs to <data_dir>/logs/<stage>.log (the stage's own log) and to the terminal; the whole run's output,
 # tracebacks included, is appended to <data_dir>/logs/run_all.log. A stage that exited 0 leaves a marker
@@ -19,10 +21,12 @@
 # --allow-human-answers). Stage names:
 # 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
 # Stage 04 runs under torchrun on train.nproc_per_node processes of this node when that is more than 1 (0, the
-# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py.
+# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py. Before the first stage after
+# 01 that runs, the plan's disk estimate of the whole run is checked against the data dir's free space
+# (python -m eagle3pipe.costs --check-disk; extract.force_disk starts anyway).
 set -uo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 # Everything runs inside main(): bash reads a function whole before calling it, so editing or updating this
 # file (git pull) while a long nohup run is in progress cannot change the running script under its feet.
@@ -31,7 +35,7 @@ main() {
   REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   RESUME_CMD="$(printf '%q ' "$0" "$@")"  # the command as typed: rerunning it resumes
-  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0
+  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE=""
   VLLM_URLS=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -42,6 +46,7 @@ main() {
       --to) TO="$2"; shift 2 ;;
       --force) FORCE=1; shift ;;
       --allow-human-answers) ALLOW_HUMAN=1; shift ;;
+      --check|--plan|--status) MODE="${1#--}"; shift ;;
       -h|--help) usage; exit 0 ;;
       *) echo "run_all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -50,6 +55,13 @@ main() {
   [ -f "$CONFIG" ] || { echo "run_all.sh: config file not found: $CONFIG" >&2; exit 2; }
   CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
   cd "$REPO" || exit 2
+
+  URL_ARGS=() ; [ ${#VLLM_URLS[@]} -gt 0 ] && URL_ARGS=(--vllm-url "${VLLM_URLS[@]}")
+  case "$MODE" in  # report and exit: nothing runs
+    check) exec "$PYTHON" -m eagle3pipe.doctor --config "$CONFIG" "${URL_ARGS[@]}" ;;
+    plan) exec "$PYTHON" -m eagle3pipe.costs --config "$CONFIG" "${URL_ARGS[@]}" ;;
+    status) exec "$PYTHON" -m eagle3pipe.status --config "$CONFIG" ;;
+  esac
 
   PLAN_ARGS=(plan --config "$CONFIG")
   [ ${#VLLM_URLS[@]} -gt 0 ] && PLAN_ARGS+=(--vllm-url "${VLLM_URLS[@]}")
@@ -98,7 +110,7 @@ main() {
   say "config $CONFIG, data dir $DATA_DIR, python $PYTHON"
   say "to resume after an interruption, run: $RESUME_CMD"
   started=0 ; [ -z "$FROM" ] && started=1
-  ran_upstream=0
+  ran_upstream=0 costs_checked=0
   idx=-1
   while IFS=$'\t' read -r name script hash marker started log stage_config launcher resume extra; do
     idx=$((idx + 1))
@@ -111,6 +123,15 @@ main() {
     if [ $FORCE -eq 0 ] && [ $ran_upstream -eq 0 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ]; then
       say "$name: done before with this config (marker $marker), skipped"
     else
+      if [ "$name" != "01_prepare" ] && [ $costs_checked -eq 0 ]; then
+        # the whole run's disk, before 01b spends its hours (01 has run: its questions are counted)
+        costs_checked=1
+        if ! "$PYTHON" -m eagle3pipe.costs --config "$stage_config" "${URL_ARGS[@]}" --check-disk \
+             < /dev/null > >(tee -ia "$RUN_LOG") 2>&1; then
+          say "FAILED before stage $name: the plan's disk check (above); resume with: $RESUME_CMD"
+          exit 2
+        fi
+      fi
       say "$name: running $(basename "$script") (log $log)"
       # started before with this config and not finished (its marker is removed when it finishes, and when a stage
       # before it runs again): its resume flags (04: --resume) continue that run instead of refusing it

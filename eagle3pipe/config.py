@@ -258,6 +258,30 @@ class EvaluateConfig:
     server_start_timeout_s: float = 3600.0  # seconds to wait for a started server to answer (K2.5 loads for minutes)
 
 
+@dataclass
+class PlanConfig:
+    # What `run_all.sh --plan` (eagle3pipe/costs.py) assumes to cost a run before 01b; no stage reads it. Defaults:
+    # Kimi-K2.5 on 8 x H200 nodes, measured where BENCHMARKS.md measured it, else projected (say which); set them
+    # from your own first hour (`run_all.sh --status` shows each stage's rate).
+    prompt_tokens: int = 1024  # mean tokens of a question's prompt, chat template included (assumed, not measured)
+    completion_tokens: int = 4096  # mean tokens 01b generates per question, reasoning + answer (assumed: K2.5 thinks
+    # for thousands of tokens; BENCHMARKS.md's K2.5 projections use 4 k-token samples). The disk bound uses max_seq_len
+    generate_tokens_per_s: float = 2000.0  # 01b: generated tokens/s of one server (projected: vLLM's Kimi-K2-Thinking
+    # recipe, same architecture and int4, 8 x H200 TP 8, peak output 2100 tok/s; its overloaded mean was 486)
+    extract_tokens_per_s: float = 16000.0  # 02 and 04 online: tokens/s of one extraction server (projected, 8 x H200
+    # TP 8: BENCHMARKS.md "Stage 02 on vLLM", 16-36 k tok/s, the low end)
+    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 draft,
+    # 32768-token rows, BENCHMARKS.md "Data parallel")
+    train_scaling: float = 0.91  # 04: each process's share of that rate when several train (projected: 0.91-0.96 for
+    # 8 GPUs of one node, BENCHMARKS.md "Data parallel", the low end)
+    packing_fill: float = 0.927  # 04: share of a packed row's slots holding tokens (measured at 32768-token rows)
+    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed from the draft's dimensions (fp32 weights +
+    # AdamW moments: 12.46 GB for the K2.5 draft, as measured; draft dims left at 0 are read from the verifier)
+    evaluate_tokens_per_s: float = 80.0  # 05: generated tokens/s of one request (projected: Dynamo's K2.5 benchmark
+    # shows ~105 tok/s per user on GB200 without a draft; an H200 is slower); a level of concurrency c runs c at once
+    server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)
+
+
 SECTIONS: dict[str, type] = {
     "shared": SharedConfig,
     "prepare": PrepareConfig,
@@ -266,6 +290,7 @@ SECTIONS: dict[str, type] = {
     "vocab": VocabConfig,
     "train": TrainConfig,
     "evaluate": EvaluateConfig,
+    "plan": PlanConfig,
 }
 
 
@@ -278,6 +303,7 @@ class PipelineConfig:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     source: str = "<defaults>"  # where the YAML came from, for error messages and provenance
 
     @property

@@ -9,6 +9,7 @@ is a terminal; under nohup (no TTY) it is a plain line every ``every_s`` seconds
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,24 @@ def format_duration(seconds: float) -> str:
     if m:
         return f"{m}m{s:02d}s"
     return f"{s}s"
+
+
+# what ``Progress.line`` prints (after the log record's "DATE TIME LEVEL logger: " prefix); ``parse_line`` reads it back
+PROGRESS_LINE = re.compile(r"(?P<desc>[^:]+): (?P<done>\d+)/(?P<total>\d+) \((?P<errors>\d+) errors\), "
+                           r"(?P<rate>[\d.]+) (?P<unit>\S+)/s(?P<extra>.*), "
+                           r"elapsed: (?P<elapsed>\d+)s, eta: (?P<eta>\S+)$")
+
+
+def parse_line(message: str) -> dict | None:
+    """The fields of a progress line (``Progress.line``'s text; a log line's prefix is skipped), or None."""
+    if " INFO " in message[:40]:  # a log record: "2026-12-02 10:00:00 INFO eagle3pipe.progress: Progress: ..."
+        message = message.split(" INFO ", 1)[1].split(": ", 1)[-1]
+    m = PROGRESS_LINE.match(message.strip())
+    if m is None:
+        return None
+    d = m.groupdict()
+    return {"desc": d["desc"], "done": int(d["done"]), "total": int(d["total"]), "errors": int(d["errors"]),
+            "rate": float(d["rate"]), "unit": d["unit"], "elapsed_s": int(d["elapsed"]), "eta": d["eta"]}
 
 
 class Progress:
