@@ -40,9 +40,12 @@ from .records import (
     forget_hs_journal_entries,
     hs_bytes_estimate,
     hs_bytes_per_token,
+    load_hs_finalize_plan,
     load_hs_journal,
     load_hs_manifest,
     load_training_rows,
+    read_hidden_states_header,
+    save_hs_finalize_plan,
     save_hs_manifest,
     save_hs_rows,
     write_jsonl_atomic,
@@ -214,15 +217,52 @@ def written_files(dd: DataDir, entries: dict[int, HsJournalEntry]) -> list[tuple
             for g, e in enumerate(written)]
 
 
-def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
-    """Undo a finalize that left samples open (within --max-error-share) so this run retries them: every file goes
-    back to its shard (the journals are those finalize renamed from, so the mapping is the same), then the manifest
-    goes. Idempotent: an interrupted reopen is finished by the next run (the manifest is removed last)."""
-    log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
-             dd.hidden_states, manifest.num_retryable)
-    for _, src, dst in written_files(dd, journal_entries(dd)):
+def plan_of(files: list[tuple[HsJournalEntry, Path, Path]]) -> list[tuple[int, int, int]]:
+    """The finalize plan of ``written_files``' renames: (position, shard, local index) of hs_0, hs_1, ..."""
+    return [(e.position, e.shard, e.local_index) for e, _, _ in files]  # type: ignore[attr-defined]
+
+
+def undo_plan(dd: DataDir, plan: list[tuple[int, int, int]]) -> None:
+    """Put every file an earlier finalize renamed by ``plan`` back into its shard, then delete the plan. Needed
+    before renaming by another plan (a sample left open is now written: every later hs_{i} moves by one), which
+    would otherwise take a file that is already in place for the one it replaces. Idempotent: an interrupted undo is
+    finished by the next run (the plan goes last)."""
+    moved = 0
+    for g, (_, shard, local_index) in enumerate(plan):
+        src, dst = dd.hs_shard_file(shard, local_index), dd.hs_file(g)
         if dst.exists() and not src.exists():
             os.replace(dst, src)
+            moved += 1
+    log.info("%s: %d files put back into their shards by the finalize plan of %d samples, to be renumbered",
+             dd.hs_files, moved, len(plan))
+    dd.hs_finalize_plan.unlink()
+
+
+def check_moved_files(dd: DataDir, rows, files: list[tuple[HsJournalEntry, Path, Path]]) -> None:
+    """Files already in hidden_states/ with no finalize plan saying how they got there (an output of an eagle3pipe
+    before the plan existed, interrupted in finalize): each must hold its row's token ids, else the stage stops,
+    naming the file (a finalize of that version renumbered around a sample left open: its files are mis-paired)."""
+    for e, src, dst in files:
+        if src.exists() or not dst.exists():
+            continue
+        token_ids = read_hidden_states_header(dst)[0]
+        if token_ids != rows[e.position].input_ids:
+            raise StageError(
+                f"{dst} holds other token ids than row {e.id} (line {e.position + 1}), the row it stands for: an "
+                "earlier eagle3pipe's finalize was interrupted after it numbered the files without a sample left "
+                f"open, so the files of {dd.hs_files} are not paired with their rows. Rerun with --overwrite to "
+                "extract them again")
+
+
+def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
+    """Undo a finish that left samples open (within --max-error-share) so this run retries them: the manifest goes
+    (and provenance); the files stay where the finalize plan says, and the next finalize puts them back into their
+    shards by it before renumbering. An output finished before the plan existed gets one from its journals first
+    (they are the ones its finalize renamed from: nothing was journalled since it finished)."""
+    log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
+             dd.hidden_states, manifest.num_retryable)
+    if not dd.hs_finalize_plan.exists():
+        save_hs_finalize_plan(dd.hs_finalize_plan, plan_of(written_files(dd, journal_entries(dd))))
     dd.provenance(dd.hidden_states).unlink(missing_ok=True)
     dd.hs_manifest.unlink()
 
@@ -247,7 +287,10 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     ``open_samples`` ({position: reason}): samples transient failures left open, within --max-error-share: listed
     in errors.jsonl as retryable, counted in ``num_retryable`` (a rerun reopens the output and retries them).
 
-    Idempotent: a file already moved (source gone, target present) is left; a crash here is redone by a rerun."""
+    The renames follow a plan saved before the first of them (``DataDir.hs_finalize_plan``): a rerun with the same
+    journals goes on with it (a file already moved, source gone and target present, is left); one whose journals
+    differ (a sample left open is now written) first puts every file back by the old plan. So an interrupted
+    finalize is redone by a rerun, whatever it retried in between."""
     open_samples = open_samples or {}
     entries = journal_entries(dd)
     missing = [i for i in range(len(rows)) if i not in entries and i not in open_samples]
@@ -257,9 +300,17 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     files = written_files(dd, entries)
     written = [e for e, _, _ in files]
     dropped = [entries[i] for i in sorted(entries) if entries[i].local_index < 0]
+    plan, before = plan_of(files), load_hs_finalize_plan(dd.hs_finalize_plan)
+    if before is not None and before != plan:
+        undo_plan(dd, before)
+        before = None
+    if before is None:
+        check_moved_files(dd, rows, files)
     lost = [f for f in files if not f[1].exists() and not f[2].exists()]
     if lost:  # checked before any rename: the mapping stays that of the journals
         forget_lost_files(dd, lost)
+    if before is None:
+        save_hs_finalize_plan(dd.hs_finalize_plan, plan)  # durable before the first rename
     dd.hs_files.mkdir(parents=True, exist_ok=True)
     for _, src, dst in files:
         if src.exists():

@@ -132,6 +132,11 @@ class DataDir:
     def hs_shard_journal(self, shard: int) -> Path:
         return self.hs_shard(shard) / "done.jsonl"
 
+    @property
+    def hs_finalize_plan(self) -> Path:
+        """Which shard file becomes which hs_{i}: written before finalize's first rename (``save_hs_finalize_plan``)."""
+        return self.hs_work / "finalize.json"
+
     # stage 04 online (train.data_source: online): the states of the next rows only. Inside hs_work because the
     # extraction servers' connector writes only inside its storage folder (hs_work, or a folder above it)
     @property
@@ -665,6 +670,9 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         manifest.num_retryable, a rerun of 02 retries them)
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
 #                                         (HsJournalEntry); finalize renames the files into hidden_states/
+#     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
+#                                         first rename and kept with the output (an interrupted finalize, or a rerun
+#                                         that retries samples left open, puts every file back by it first)
 
 HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
@@ -975,6 +983,24 @@ def load_hs_manifest(path: Path) -> HiddenStatesManifest | None:
         return HiddenStatesManifest(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise FormatError(f"{path}: not a hidden-states manifest ({e})") from None
+
+
+def save_hs_finalize_plan(path: Path, files: list[tuple[int, int, int]]) -> None:
+    """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
+    hs_{i}. Written atomically before the first rename, so a rerun knows where each file went."""
+    atomic_write_bytes(path, json.dumps({"format_version": FORMAT_VERSION, "files": [list(f) for f in files]},
+                                        separators=(",", ":")).encode())
+
+
+def load_hs_finalize_plan(path: Path) -> list[tuple[int, int, int]] | None:
+    """The plan ``save_hs_finalize_plan`` wrote (None: there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return [(int(p), int(s), int(k)) for p, s, k in json.loads(path.read_text())["files"]]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
 
 
 def check_hs_manifest(manifest: HiddenStatesManifest, **expected) -> list[str]:

@@ -12,15 +12,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import sys
 import threading
+import zlib
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
 import torch
 
-from eagle3pipe.cli import StageError, run_stage
+from eagle3pipe.cli import StageError, StageInterrupted, run_stage
 from eagle3pipe.extract import STAGE, run_extract
 from eagle3pipe.records import (
     HS_META_FINITE,
@@ -39,6 +42,13 @@ from test_generate import REPO, DyingStub, StubHTTPServer, run_door_through_a_re
 MAX_MODEL_LEN = 30
 NUM_LAYERS = 8
 RIGHT_IDS = AUX + [NUM_LAYERS]
+
+
+def stub_states(ids) -> torch.Tensor:
+    """The states the stub computes for a prompt: a function of its token ids alone, so a test has each row's own
+    states to compare a file with (random-looking: they never agree with a verifier's top-1)."""
+    g = torch.Generator().manual_seed(zlib.crc32(json.dumps(list(ids)).encode()))
+    return torch.randn(len(ids), 4, 128, generator=g)
 
 
 class StubExtractionServer(DyingStub):
@@ -90,7 +100,7 @@ class StubExtractionServer(DyingStub):
                     stub.held.append(fd)
                 elif tuple(ids) not in stub.no_file:
                     stored = [i + 1 for i in ids] if bad(ids) else ids
-                    save_hidden_states(path, torch.randn(len(ids), 4, 128), torch.tensor(stored), dtype,
+                    save_hidden_states(path, stub_states(ids), torch.tensor(stored), dtype,
                                        metadata=meta if meta is not None else hs_file_metadata(layer_ids, NUM_LAYERS))
                 choice = {"index": 0, "text": "x", "finish_reason": "length"}
                 if body.get("prompt_logprobs"):
@@ -224,6 +234,97 @@ def test_open_samples_within_the_error_share_are_listed_and_a_rerun_retries_them
         stub.close()
     _assert_complete(tmp_path, rows)
     assert [stub.requests[_ids(r)] for r in rows] == [4 if i == 2 else 1 for i in range(10)]
+
+
+def _assert_each_file_holds_its_row(data_dir, rows) -> None:
+    """hidden_states/ finished with every row, and hs_i holds row i's own token ids and states (the stub's states are
+    a function of the row's ids: stub_states is the per-row reference)."""
+    dd = DataDir(data_dir)
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert (manifest.num_samples, manifest.num_dropped, manifest.num_retryable) == (len(rows), 0, 0)
+    for i, r in enumerate(rows):
+        data = load_hidden_states(dd.hs_file(i))
+        assert data["token_ids"].tolist() == r["input_ids"], f"hs_{i} holds another row's token ids"
+        assert torch.equal(data["hidden_states"], stub_states(r["input_ids"]).to(torch.bfloat16)), \
+            f"hs_{i} holds another row's states"
+
+
+def _interrupt_finalize_after(monkeypatch, dd, renames: int) -> list:
+    """SIGTERM's effect (cli's StageInterrupted) after ``renames`` of finalize's renames into hidden_states/: the
+    os.replace of every other write goes through."""
+    real_replace, done = os.replace, []
+
+    def replace(src, dst, **kw):
+        into_output = Path(dst).parent == dd.hs_files
+        if into_output and len(done) >= renames:
+            raise StageInterrupted(128 + signal.SIGTERM)
+        real_replace(src, dst, **kw)
+        if into_output:
+            done.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return done
+
+
+def test_an_interrupted_finalize_with_a_sample_left_open_pairs_every_file_with_its_row(tmp_path, toy_llama, capsys,
+                                                                                      monkeypatch):
+    """Issue 26 item 1. --max-error-share 0.1 leaves row 2 open, so finalize numbers the files without it (row 3 ->
+    hs_2, ...); SIGTERM lands after 5 of its 9 renames. The rerun extracts row 2 and finishes: every hs_i must hold
+    row i's token ids and states. Before the finalize plan, the rerun renumbered from its own journals: row 2's file
+    overwrote hs_2 (row 3's states), hs_3 and hs_4 kept rows 4 and 5, and a third run finished with them."""
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        renamed = _interrupt_finalize_after(monkeypatch, dd, 5)
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        monkeypatch.undo()
+        assert code == 128 + signal.SIGTERM and len(renamed) == 5, err
+        assert load_hs_manifest(dd.hs_manifest) is None
+        stub.heal()
+        runs = []
+        while len(runs) < 3 and (not runs or runs[-1][0] == 2):  # as a user would: rerun while told to
+            runs.append(_door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1"))
+    finally:
+        stub.close()
+    assert runs[-1][0] == 0, runs[-1][1]
+    _assert_each_file_holds_its_row(tmp_path, rows)
+    assert len(runs) == 1, [err.strip().splitlines()[-1] for _, err in runs]  # one rerun, nothing lost on the way
+    assert not list(dd.hs_shard(0).glob("*.safetensors")) and not list(dd.hs_shard(1).glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("left", ["interrupted", "finished"])
+def test_an_output_of_the_code_before_the_finalize_plan(tmp_path, toy_llama, capsys, monkeypatch, left):
+    """An output with no finalize plan (work/finalize.json), as the code before issue 26 left one, row 2 open: when
+    its finalize was interrupted (files already renumbered without row 2), the rerun refuses, naming the first file
+    that holds another row and --overwrite, and renames nothing; when it finished, the rerun's reopen takes the plan
+    from the journals (the ones that finalize renamed from) and every file ends with its row."""
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        if left == "interrupted":
+            _interrupt_finalize_after(monkeypatch, dd, 5)
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        monkeypatch.undo()
+        assert code == (128 + signal.SIGTERM if left == "interrupted" else 0), err
+        dd.hs_finalize_plan.unlink()
+        before = {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")}
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+    finally:
+        stub.close()
+    if left == "finished":
+        assert code == 0, err
+        _assert_each_file_holds_its_row(tmp_path, rows)
+        return
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {dd.hs_file(3)} holds other token ids than row row3 (line 4)"), err
+    assert last.endswith("Rerun with --overwrite to extract them again")
+    assert {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")} == before  # nothing renamed
+    assert load_hs_manifest(dd.hs_manifest) is None
 
 
 def test_a_journalled_file_gone_missing_is_re_extracted_alone(tmp_path, toy_llama, capsys):
