@@ -40,6 +40,7 @@ from .records import (
     forget_hs_journal_entries,
     hs_bytes_estimate,
     hs_bytes_per_token,
+    is_hs_attempt_file,
     load_hs_finalize_plan,
     load_hs_journal,
     load_hs_manifest,
@@ -318,6 +319,9 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     for stale in dd.hs_files.glob("hs_*.safetensors"):
         if int(stale.stem[3:]) >= len(written):
             stale.unlink()
+    for shard_dir in dd.hs_work.glob("shard_*"):  # late writes of requests the vLLM client gave up on
+        for junk in filter(is_hs_attempt_file, shard_dir.iterdir()):
+            junk.unlink(missing_ok=True)
     save_hs_rows(dd.hidden_states, [(rows[e.position].input_ids, rows[e.position].loss_mask) for e in written])
     listed = [(e.position, e.reason, e.id) for e in dropped]
     listed += [(i, f"retryable: {reason} (a rerun of stage 02 retries it)", rows[i].id)

@@ -17,8 +17,10 @@ repeatable: samples are spread over the ones that answer, ``server.ServerPool``,
    ``extract.verify_min_agreement`` of the positions, else the stage stops with the figures (a wrong final layer or a
    wrong model shows here; top-1 alone hid a subtly wrong capture at 96%);
 3. sends every other sample (``/v1/completions``, the row's ids as the prompt, ``max_tokens`` 1), bounded
-   concurrency, timeouts, retries with backoff; waits for the file's lock, checks it (``check_file``: the layer ids
-   the connector wrote into its metadata, dtype, token ids, shape, finite flag), journals it.
+   concurrency, timeouts, retries with backoff; each attempt names a file of its own (``records.hs_attempt_file``:
+   vLLM's connector also writes the file of a request the client aborted, late); waits for its lock, checks it
+   (``check_file``: the layer ids the connector wrote into its metadata, dtype, token ids, shape, finite flag),
+   renames it to the sample's name only then, journals it. Files of attempts given up on are deleted.
 
 What a failure becomes: a server set up otherwise than the config (other layer ids, dtype, storage folder, not our
 connector) stops the stage at once; a file whose content is wrong (other token ids or shape, non-finite states) is
@@ -38,7 +40,8 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2  # the HTTP library the openai client is built on
@@ -53,6 +56,7 @@ from .records import (
     HsJournalEntry,
     JsonlAppender,
     check_hs_file_metadata,
+    hs_attempt_file,
     hs_layer_ids,
     load_hidden_states,
     read_hidden_states_header,
@@ -79,6 +83,7 @@ CONNECTOR_MODULE = "eagle3pipe.vllm_connector"
 LOCK_POLL_S = 0.05  # longest wait between two looks at a file's lock
 VERIFY_TOP_K = 5  # prompt_logprobs asked for in the capture check
 NEAR_TIE_NATS = 0.1  # the check forgives a different top-1 the server ranks within this of its own (bf16 near-ties)
+ABANDONED_SWEEP_S = 30.0  # how often the files of attempts given up on are looked for again (late writes)
 GPU_MEMORY_UTILIZATION = "0.85"  # below vLLM's 0.9: its profiler does not count the connector's per-request copy
 
 Item = tuple[int, str, list[int]]  # (position in the input, row id, input_ids)
@@ -264,6 +269,10 @@ class Extractor:
     tokens: int = 0
     bytes: int = 0
     retries: int = 0
+    # the files of attempts given up on (a late write may still land there: deleted by sweep_abandoned), and when
+    # they were last swept
+    abandoned: set[Path] = field(default_factory=set)
+    swept_at: float = 0.0
 
     async def __aenter__(self) -> "Extractor":
         ex = self.cfg.extract
@@ -271,7 +280,21 @@ class Extractor:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.sweep_abandoned()
         await self.pool.close()
+
+    def abandon(self, attempt_file: Path) -> None:
+        """An attempt given up on (no reply in time, its file failed its check): its file goes now, and again at each
+        sweep, since vLLM's connector also writes the file of a request the client aborted."""
+        remove_sample_files(attempt_file)
+        self.abandoned.add(attempt_file)
+
+    def sweep_abandoned(self) -> None:
+        """Delete what late writes left at the abandoned attempts' names (stage 02's finalize and 04 online's spool
+        clean-up catch any that land after the last sweep)."""
+        for attempt_file in self.abandoned:
+            remove_sample_files(attempt_file)
+        self.swept_at = time.monotonic()
 
     def sample_file(self, local_index: int) -> Path:
         folder = self.out_dir if self.out_dir is not None else self.dd.hs_shard(self.shard)
@@ -302,21 +325,25 @@ class Extractor:
                   server: int | None = None, path: Path | None = None) -> Outcome:
         """Request, wait, check one sample; retries included; on ``server`` (an index of ``urls``) when given (the
         capture check), else on the one picked; into ``path`` when given (04 online's spool), else
-        ``sample_file(local_index)``. The journal line is the caller's to write."""
+        ``sample_file(local_index)``. Each attempt asks the server for a file of its own (``hs_attempt_file``),
+        checks it there and only then renames it to the sample's path: an attempt given up on may still be written
+        late (vLLM's connector saves aborted requests too), onto its own name, which is deleted (``abandon``) and
+        never read. The journal line is the caller's to write."""
         ex = self.cfg.extract
         position, row_id, ids = item
-        path = Path(path).resolve() if path is not None else self.sample_file(local_index)
+        final = Path(path).resolve() if path is not None else self.sample_file(local_index)
+        remove_sample_files(final)
         failure = error = None  # error: the last attempt's exception (None: a bad file), for the pool's wait
         for attempt in range(1 + ex.max_retries):
             if attempt:
                 self.retries += 1
                 await self.pool.wait_to_retry(backoff_delay_s(attempt - 1, ex.retry_backoff_s), error)
-            remove_sample_files(path)
             try:
                 idx = self.pool.acquire(server)
             except NoServerAnswers as e:
                 failure, error = classify_request_error(e, ex.request_timeout_s), e
                 continue
+            path = hs_attempt_file(final, attempt, uuid.uuid4().hex[:12])
             try:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
                 written = Path((reply.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
@@ -328,18 +355,22 @@ class Extractor:
                 size, finite = check_file(path, ids, self.cfg.shared.aux_layer_ids, self.num_layers,
                                           self.hidden_size, ex.storage_dtype)
             except BadSample as e:
+                self.abandon(path)
                 if e.kind == "config":
                     raise StageError(f"{self.urls[idx]}: {e}") from None
                 failure, error = RequestFailure(e.kind, str(e), True), None
             except Exception as e:
+                self.abandon(path)
                 failure, error = classify_request_error(e, ex.request_timeout_s), e
                 if failure is None:
                     raise
                 self.pool.report_failure(idx, e)
             else:
-                Path(f"{path}.lock").unlink(missing_ok=True)  # vLLM never deletes its lock files
+                if finite:
+                    os.replace(path, final)  # checked: the sample's own name
+                remove_sample_files(path)  # vLLM never deletes its lock files
+                self._sweep_now_and_then()
                 if not finite:
-                    path.unlink()
                     log.warning("row %s (line %d): non-finite hidden states: skipped, listed in errors.jsonl",
                                 row_id, position + 1)
                     return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
@@ -352,12 +383,16 @@ class Extractor:
             if not failure.retryable:
                 break
             log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
-        remove_sample_files(path)
+        self._sweep_now_and_then()
         if failure.kind == BadSample.PERMANENT:  # the server answers, but not with this row's states: listed for good
             log.warning("row %s (line %d): dropped, listed in errors.jsonl: %s", row_id, position + 1, failure.message)
             return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
                                           reason=f"file check failed {1 + ex.max_retries} times: {failure.message}"))
         return Outcome(None, failure)
+
+    def _sweep_now_and_then(self) -> None:
+        if self.abandoned and time.monotonic() - self.swept_at > ABANDONED_SWEEP_S:
+            self.sweep_abandoned()
 
     def record(self, outcome: Outcome) -> None:
         e = outcome.entry

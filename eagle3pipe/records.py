@@ -669,7 +669,9 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         left open within --max-error-share (reason "retryable: ..."; counted in
 #                                         manifest.num_retryable, a rerun of 02 retries them)
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
-#                                         (HsJournalEntry); finalize renames the files into hidden_states/
+#                                         (HsJournalEntry); finalize renames the files into hidden_states/. The
+#                                         vLLM backend's requests write hs_{k}.attempt-{n}-{tag}.safetensors first
+#                                         (hs_attempt_file), renamed to hs_{k} once checked; others are junk
 #     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
 #                                         first rename and kept with the output (an interrupted finalize, or a rerun
 #                                         that retries samples left open, puts every file back by it first)
@@ -684,6 +686,22 @@ HS_META_LAYER_IDS = "layer_ids"  # JSON list: the ids of the stored states as ca
 HS_META_NUM_LAYERS = "num_layers"  # decoder layers of the verifier that computed them, e.g. "61"
 HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+HS_ATTEMPT_INFIX = ".attempt-"  # in the name of a request attempt's file (and its lock): never a sample's own file
+
+
+def hs_attempt_file(final: Path, attempt: int, tag: str) -> Path:
+    """The file one request attempt for ``final`` asks the server to write: a name of its own (``tag``: unique to
+    the attempt), so the late write of an attempt the client gave up on (vLLM's connector also saves aborted
+    requests) never lands on another attempt's checked file, nor on ``final``; renamed to ``final`` once checked."""
+    final = Path(final)
+    return final.with_name(f"{final.stem}{HS_ATTEMPT_INFIX}{attempt}-{tag}{final.suffix}")
+
+
+def is_hs_attempt_file(path: Path) -> bool:
+    """A request attempt's file or lock (``hs_attempt_file``): never read as a sample, deleted when found."""
+    return HS_ATTEMPT_INFIX in Path(path).name
 
 
 HS_FILE_HEADER_BYTES = 320  # upper bound of one sample file's safetensors header (measured: 152-264 B)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import zlib
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
@@ -40,6 +41,7 @@ from test_extract import AUX, make_cfg, write_rows
 from test_generate import REPO, DyingStub, StubHTTPServer, run_door_through_a_restart
 
 MAX_MODEL_LEN = 30
+LATE_HOLD_S = 1.5  # how long the stub keeps a request it will write late: past the doors' --request-timeout-s 1
 NUM_LAYERS = 8
 RIGHT_IDS = AUX + [NUM_LAYERS]
 
@@ -56,7 +58,10 @@ class StubExtractionServer(DyingStub):
     asks, with our connector's metadata (``layer_ids`` captured from a ``NUM_LAYERS``-layer verifier, or ``meta``).
     ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores. Faults a rerun
     must survive, switched per prompt through the sets: ``no_file`` (the writer failed: vLLM only logs it) and
-    ``hold_lock`` (a lock held past the client's wait: a slow disk). ``prompt_logprobs`` are answered claiming the
+    ``hold_lock`` (a lock held past the client's wait: a slow disk); ``late``: the prompt's first request gets no
+    reply before the client gives up, and its file (other states: ``-stub_states``) is written late, as vLLM's
+    connector writes an aborted request's, when the next request after its retry's reply arrives
+    (``late_written``: where). ``prompt_logprobs`` are answered claiming the
     row's next token as top-1 (random states never agree with that: a wrong capture). ``die_after``: after that
     many completions it dies as a crashed node does (no reply, then the port refuses); ``port``: where it listens
     (0: a free one)."""
@@ -68,6 +73,10 @@ class StubExtractionServer(DyingStub):
         self.no_file: set[tuple] = set()
         self.hold_lock: set[tuple] = set()
         self.held: list[int] = []  # fds of the locks held
+        self.late: set[tuple] = set()
+        self.late_paths: dict[tuple, str] = {}  # prompt: the path its first (given up) request named
+        self.late_due: tuple | None = None  # (path, ids) of the late write the next request triggers
+        self.late_written: str | None = None
         self.die_after, self.posts, self.lock = die_after, 0, threading.Lock()
         stub = self
 
@@ -93,7 +102,20 @@ class StubExtractionServer(DyingStub):
                     if stub.dies_now(self):
                         return  # no reply: the client sees the connection drop
                 ids, path = body["prompt"], body["kv_transfer_params"]["hidden_states_path"]
-                stub.requests[tuple(ids)] += 1
+                with stub.lock:
+                    stub.requests[tuple(ids)] += 1
+                    first = stub.requests[tuple(ids)] == 1
+                    late_due, stub.late_due = stub.late_due, None
+                if late_due is not None:  # the aborted request's write, after its retry's file was checked
+                    late_path, late_ids = late_due
+                    save_hidden_states(late_path, -stub_states(late_ids), torch.tensor(late_ids), dtype,
+                                       metadata=hs_file_metadata(layer_ids, NUM_LAYERS))
+                    stub.late_written = late_path
+                if tuple(ids) in stub.late and first:
+                    stub.late_paths[tuple(ids)] = path
+                    time.sleep(LATE_HOLD_S)  # past the client's timeout: it gives up, vLLM would abort the request
+                    self.close_connection = True
+                    return
                 if tuple(ids) in stub.hold_lock:
                     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
                     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -107,6 +129,9 @@ class StubExtractionServer(DyingStub):
                     choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.1, "rank": 1}} for t in ids[1:]]
                 self._reply({"id": "c", "object": "text_completion", "model": model, "kv_transfer_params":
                              {"hidden_states_path": path}, "choices": [choice]})
+                if tuple(ids) in stub.late_paths:  # the retry is answered: the given-up request's write comes next
+                    with stub.lock:
+                        stub.late_due = (stub.late_paths.pop(tuple(ids)), ids)
 
         self.httpd = StubHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -246,7 +271,7 @@ def _assert_each_file_holds_its_row(data_dir, rows) -> None:
         data = load_hidden_states(dd.hs_file(i))
         assert data["token_ids"].tolist() == r["input_ids"], f"hs_{i} holds another row's token ids"
         assert torch.equal(data["hidden_states"], stub_states(r["input_ids"]).to(torch.bfloat16)), \
-            f"hs_{i} holds another row's states"
+            f"hs_{i} does not hold row {i}'s own states"
 
 
 def _interrupt_finalize_after(monkeypatch, dd, renames: int) -> list:
@@ -325,6 +350,44 @@ def test_an_output_of_the_code_before_the_finalize_plan(tmp_path, toy_llama, cap
     assert last.endswith("Rerun with --overwrite to extract them again")
     assert {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")} == before  # nothing renamed
     assert load_hs_manifest(dd.hs_manifest) is None
+
+
+def test_a_late_write_of_an_aborted_attempt_never_replaces_the_checked_file(tmp_path, toy_llama, capsys):
+    """Issue 26 item 2. The longest row's first request gets no reply within --request-timeout-s (the client gives
+    up; vLLM aborts the request and its connector still writes the file): the retry's file is checked and kept,
+    then the aborted attempt's file lands, with other states, before the next sample is sent. Every hs_i must hold
+    its row's own states (before: both attempts named the same path, and the late write replaced the checked file),
+    and no attempt's file is left anywhere in hidden_states/."""
+    rows = write_rows(tmp_path, 6, seed=8, min_len=4, max_len=20)
+    longest = max(rows, key=lambda r: len(r["input_ids"]))  # sent first (longest first), with more to follow
+    stub = StubExtractionServer()
+    stub.late = {_ids(longest)}
+    dd = DataDir(tmp_path)
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--concurrency", "1")
+    finally:
+        stub.close()
+    assert code == 0, err
+    assert stub.requests[_ids(longest)] == 2 and stub.late_written is not None  # the late write happened
+    _assert_each_file_holds_its_row(tmp_path, rows)
+    assert sorted(p.name for p in dd.hs_files.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(len(rows)))
+    left = [p for p in dd.hs_work.rglob("*") if p.is_file() and p.name not in ("done.jsonl", "run.json",
+                                                                                "finalize.json")]
+    assert left == [], left
+
+
+def test_check_file_refuses_states_shorter_than_the_token_ids(tmp_path):
+    """Issue 26 item 2 (stage 02's side): a file with the row's token ids and metadata but 16 fewer state rows."""
+    from eagle3pipe.extract_vllm import BadSample, check_file
+    from eagle3pipe.records import save_tensors_atomic
+
+    ids = list(range(40))
+    path = tmp_path / "hs_0.safetensors"
+    save_tensors_atomic(path, {"hidden_states": stub_states(ids)[:-16].to(torch.bfloat16).contiguous(),
+                               "token_ids": torch.tensor(ids)}, hs_file_metadata(RIGHT_IDS, NUM_LAYERS))
+    with pytest.raises(BadSample, match=r"hidden_states \(24, 4, 128\), expected \(40, 4, 128\)") as e:
+        check_file(path, ids, AUX, NUM_LAYERS, 128, "bf16")
+    assert e.value.kind == BadSample.PERMANENT
 
 
 def test_a_journalled_file_gone_missing_is_re_extracted_alone(tmp_path, toy_llama, capsys):
