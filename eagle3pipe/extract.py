@@ -30,12 +30,15 @@ from .config import ConfigError, PipelineConfig
 from .extract_worker import ShardJob, worker_main, clean_shard_dir, extract_shard
 from .progress import format_duration
 from .records import (
+    HS_FORMAT_VERSION,
+    HS_META_LAYER_IDS,
     DataDir,
     DroppedRow,
     FormatError,
     HiddenStatesManifest,
     HsJournalEntry,
     atomic_write_json,
+    check_hs_file_metadata,
     check_synthetic_finished,
     forget_hs_journal_entries,
     hs_bytes_estimate,
@@ -340,6 +343,36 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     return manifest
 
 
+def upgrade_manifest(dd: DataDir, manifest: HiddenStatesManifest) -> HiddenStatesManifest:
+    """A finished hidden_states/ of an older format (``records.HS_FORMAT_VERSION``: format 1 was written before each
+    sample file carried its layer ids): every file's metadata is read (headers only) and checked against the
+    manifest; when all carry it, the manifest is rewritten in the current format and nothing is extracted again;
+    one file without it stops the stage, naming it and --overwrite (nothing can tell which layers it holds, and
+    stage 04 would stop at it mid-run)."""
+    old = manifest.format_version
+    log.info("%s: format %d: checking the layer ids of its %d files before upgrading it to format %d",
+             dd.hidden_states, old, manifest.num_samples, HS_FORMAT_VERSION)
+    for i in range(manifest.num_samples):
+        path = dd.hs_file(i)
+        try:
+            metadata = read_hidden_states_header(path)[3]
+            if HS_META_LAYER_IDS not in metadata:
+                raise FormatError(f"{path}: no layer ids in its metadata (hidden_states/ of format {old}, written by "
+                                  "an eagle3pipe before each file recorded which layers it holds)")
+            finite = check_hs_file_metadata(path, metadata, manifest.aux_layer_ids, manifest.num_layers)
+        except FormatError as e:
+            raise StageError(f"{e}: nothing can check what it holds; rerun with --overwrite to extract "
+                             f"{dd.hidden_states} again") from None
+        if not finite:
+            raise StageError(f"{path}: its metadata says its states hold NaN/Inf: rerun with --overwrite to extract "
+                             f"{dd.hidden_states} again")
+    manifest.format_version = HS_FORMAT_VERSION
+    save_hs_manifest(dd.hs_manifest, manifest)
+    log.info("%s: every file carries the layer ids the manifest names: upgraded to format %d", dd.hidden_states,
+             HS_FORMAT_VERSION)
+    return manifest
+
+
 def check_open_share(cfg: PipelineConfig, rows, open_samples: dict[int, str]) -> None:
     """01b's rule (--max-error-share): more samples left open by transient failures than the share allows stop the
     stage (exit 2, no manifest: stages 03/04 refuse hidden_states/), naming them and how to resume; fewer finish it
@@ -414,7 +447,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
 
     identity = output_identity(cfg, src)
     config_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    manifest = load_hs_manifest(dd.hs_manifest)
+    manifest = load_hs_manifest(dd.hs_manifest, any_version=True)
     run_file = dd.hs_run
     run_before = json.loads(run_file.read_text()) if run_file.exists() else None
     previous = run_before["config_hash"] if run_before else None
@@ -428,6 +461,14 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
         log.warning("--overwrite: deleting hidden states of config %s in %s", previous, dd.hidden_states)
         remove_outputs(dd)
         manifest = None
+    if manifest is not None and manifest.format_version < HS_FORMAT_VERSION:
+        if ex.overwrite:
+            log.warning("--overwrite: deleting hidden states of format %d in %s", manifest.format_version,
+                        dd.hidden_states)
+            remove_outputs(dd)
+            manifest = None
+        else:
+            manifest = upgrade_manifest(dd, manifest)
     if manifest is not None and manifest.num_retryable:
         reopen(dd, manifest)
         manifest = None

@@ -663,7 +663,8 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         broadcasts; `--hidden-states-backend fp8` dequantises on read).
 #                                         safetensors metadata: layer_ids (the ids above, as captured), num_layers,
 #                                         all_finite (hs_file_metadata; 02 and 04 check them per file)
-#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
+#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest,
+#                                         format_version HS_FORMAT_VERSION: readers refuse an older one)
 #     errors.jsonl                        samples not written, one DroppedRow each: content that is wrong for good
 #                                         (non-finite states, a file that keeps not holding the row), and samples
 #                                         left open within --max-error-share (reason "retryable: ..."; counted in
@@ -675,6 +676,10 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
 #                                         first rename and kept with the output (an interrupted finalize, or a rerun
 #                                         that retries samples left open, puts every file back by it first)
+
+HS_FORMAT_VERSION = 2  # of hidden_states/ (manifest.json's format_version). 2: every sample file carries
+# hs_file_metadata (layer ids, verifier depth, finite flag), which 02 and 04 check; 1: written before that
+# (eagle3pipe before 2026-12-01 22:32), its files may lack it: 04 refuses it, 02 upgrades it after checking each file
 
 HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
@@ -983,7 +988,7 @@ class HiddenStatesManifest:
     config_hash: str  # hash of the shared + extract config sections that produced this
     states: list[str] = field(default_factory=list)  # what each of the n states is, e.g. "enter layer 2", "final"
     num_retryable: int = 0  # of num_dropped: samples a transient failure left open (a rerun of 02 retries them)
-    format_version: int = FORMAT_VERSION
+    format_version: int = HS_FORMAT_VERSION
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -993,20 +998,32 @@ def save_hs_manifest(path: Path, manifest: HiddenStatesManifest) -> None:
     atomic_write_json(path, manifest.to_json())
 
 
-def load_hs_manifest(path: Path) -> HiddenStatesManifest | None:
+def load_hs_manifest(path: Path, any_version: bool = False) -> HiddenStatesManifest | None:
+    """The manifest of a finished hidden_states/ (None: not finished). One of an older format (HS_FORMAT_VERSION) is
+    refused, naming stage 02 as the fix; stage 02 itself reads it with ``any_version`` (to upgrade it)."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return HiddenStatesManifest(**json.loads(path.read_text()))
+        manifest = HiddenStatesManifest(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise FormatError(f"{path}: not a hidden-states manifest ({e})") from None
+    if manifest.format_version > HS_FORMAT_VERSION:
+        raise FormatError(f"{path}: hidden states of format {manifest.format_version}, newer than this eagle3pipe "
+                          f"reads ({HS_FORMAT_VERSION}): update eagle3pipe")
+    if manifest.format_version < HS_FORMAT_VERSION and not any_version:
+        raise FormatError(
+            f"{path}: hidden states of format {manifest.format_version}, written before each sample file recorded "
+            f"the layer ids it holds (format {HS_FORMAT_VERSION}), so nothing can check its files: rerun "
+            "02_extract_hidden_states.py with the same settings (it checks every file and upgrades the manifest "
+            "when each carries its layer ids), or with --overwrite to extract them again")
+    return manifest
 
 
 def save_hs_finalize_plan(path: Path, files: list[tuple[int, int, int]]) -> None:
     """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
     hs_{i}. Written atomically before the first rename, so a rerun knows where each file went."""
-    atomic_write_bytes(path, json.dumps({"format_version": FORMAT_VERSION, "files": [list(f) for f in files]},
+    atomic_write_bytes(path, json.dumps({"format_version": HS_FORMAT_VERSION, "files": [list(f) for f in files]},
                                         separators=(",", ":")).encode())
 
 
