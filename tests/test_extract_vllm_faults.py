@@ -523,3 +523,35 @@ def test_a_server_capturing_other_layers_or_without_the_finite_flag_stops_the_st
         assert "its metadata lacks ['all_finite']" in last
     assert sum(stub.requests.values()) <= 3  # the requests already in flight, no retries, nothing more
     assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None
+
+
+# -- issue 26 item 6: a server taken back must serve what the run started with ---------------------------------------
+
+
+@pytest.mark.parametrize("back_as", ["another_model", "a_shorter_context"])
+def test_a_server_back_with_another_model_or_a_shorter_context_gets_no_sample(tmp_path, toy_llama, back_as):
+    """Stage 02's only server dies after 4 samples and a server listens on its port at once, serving another model,
+    or the same one with a max_model_len below the one the rows were checked against. Before, the pool took it back
+    without reading /v1/models again (it had answered before) and sent it every other sample; now it names the
+    server and what it serves, leaves it aside, and the stage stops with the rest open (exit 2)."""
+    rows = write_rows(tmp_path, 16, seed=5, min_len=4, max_len=MAX_MODEL_LEN - 2)
+    dying = StubExtractionServer(die_after=4)
+    port = dying.httpd.server_address[1]
+    argv = [sys.executable, str(REPO / "02_extract_hidden_states.py"), "--data-dir", str(tmp_path), "--verifier",
+            str(toy_llama), "--input", "prepared", "--aux-layer-ids", *map(str, AUX), "--hidden-size", "128",
+            "--backend", "vllm", "--extract-url", dying.url, "--verify-tokens", "0", "--max-retries", "2",
+            "--retry-backoff-s", "1", "--concurrency", "4"]  # each sample's last attempt after the first probe (1 s)
+    back = {"model": "other"} if back_as == "another_model" else {"max_model_len": MAX_MODEL_LEN - 10}
+    try:
+        code, err, revived = run_door_through_a_restart(argv, tmp_path / "02.err", dying,
+                                                        lambda: StubExtractionServer(port=port, **back))
+    finally:
+        dying.close()
+    revived.close()
+    why = ("serves other, not stub" if back_as == "another_model"
+           else f"max_model_len {MAX_MODEL_LEN - 10}, less than the {MAX_MODEL_LEN} the run started with")
+    assert sum(revived.requests.values()) == 0, err[-3000:]
+    assert f"{dying.url} answers again but {why}: left aside" in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "samples are not extracted after 3 attempts" in last and why in last, last
+    assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None and len(rows) == 16
