@@ -38,6 +38,7 @@ from eagle3pipe.extract import run_extract
 from eagle3pipe.records import (
     DataDir,
     hs_file_metadata,
+    is_hs_attempt_file,
     load_hidden_states,
     load_hs_journal,
     load_hs_manifest,
@@ -355,8 +356,9 @@ def k25_train_cfg(data_dir: Path, toy: Path, **train):
 
 class SpoolKeeper(threading.Thread):
     """Hard-links every states file that appears in 04's spool (``<epoch>/hs_<i>.safetensors`` under ``keep``)
-    before the step that used it deletes it: the online run's own extraction of each row, each epoch. The
-    connector renames a file into place once written, so a name that exists is a whole file."""
+    before the step that used it deletes it: the online run's own extraction of each row, each epoch. The client
+    renames a request's file (``records.hs_attempt_file``, skipped here) to the sample's name once checked, so a
+    sample's name that exists is a whole, checked file."""
 
     def __init__(self, spool: Path, keep: Path):
         super().__init__(daemon=True)
@@ -367,6 +369,8 @@ class SpoolKeeper(threading.Thread):
 
         while not self.stop.is_set():
             for path in list(self.spool.glob("rank_0/epoch_*_row_*/hs_*.safetensors")):
+                if is_hs_attempt_file(path):
+                    continue
                 epoch = path.parent.name.split("_")[1]
                 target = self.keep / epoch / path.name
                 if not target.exists():
