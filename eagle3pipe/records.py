@@ -133,6 +133,11 @@ class DataDir:
     def hs_shard_journal(self, shard: int) -> Path:
         return self.hs_shard(shard) / "done.jsonl"
 
+    @property
+    def hs_finalize_plan(self) -> Path:
+        """Which shard file becomes which hs_{i}: written before finalize's first rename (``save_hs_finalize_plan``)."""
+        return self.hs_work / "finalize.json"
+
     # stage 04 online (train.data_source: online): the states of the next rows only. Inside hs_work because the
     # extraction servers' connector writes only inside its storage folder (hs_work, or a folder above it)
     @property
@@ -681,13 +686,23 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         broadcasts; `--hidden-states-backend fp8` dequantises on read).
 #                                         safetensors metadata: layer_ids (the ids above, as captured), num_layers,
 #                                         all_finite (hs_file_metadata; 02 and 04 check them per file)
-#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
+#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest,
+#                                         format_version HS_FORMAT_VERSION: readers refuse an older one)
 #     errors.jsonl                        samples not written, one DroppedRow each: content that is wrong for good
 #                                         (non-finite states, a file that keeps not holding the row), and samples
 #                                         left open within --max-error-share (reason "retryable: ..."; counted in
 #                                         manifest.num_retryable, a rerun of 02 retries them)
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
-#                                         (HsJournalEntry); finalize renames the files into hidden_states/
+#                                         (HsJournalEntry); finalize renames the files into hidden_states/. The
+#                                         vLLM backend's requests write hs_{k}.attempt-{n}-{tag}.safetensors first
+#                                         (hs_attempt_file), renamed to hs_{k} once checked; others are junk
+#     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
+#                                         first rename and kept with the output (an interrupted finalize, or a rerun
+#                                         that retries samples left open, puts every file back by it first)
+
+HS_FORMAT_VERSION = 2  # of hidden_states/ (manifest.json's format_version). 2: every sample file carries
+# hs_file_metadata (layer ids, verifier depth, finite flag), which 02 and 04 check; 1: written before that
+# (eagle3pipe before 2026-12-01 22:32), its files may lack it: 04 refuses it, 02 upgrades it after checking each file
 
 HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
@@ -699,6 +714,22 @@ HS_META_LAYER_IDS = "layer_ids"  # JSON list: the ids of the stored states as ca
 HS_META_NUM_LAYERS = "num_layers"  # decoder layers of the verifier that computed them, e.g. "61"
 HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+HS_ATTEMPT_INFIX = ".attempt-"  # in the name of a request attempt's file (and its lock): never a sample's own file
+
+
+def hs_attempt_file(final: Path, attempt: int, tag: str) -> Path:
+    """The file one request attempt for ``final`` asks the server to write: a name of its own (``tag``: unique to
+    the attempt), so the late write of an attempt the client gave up on (vLLM's connector also saves aborted
+    requests) never lands on another attempt's checked file, nor on ``final``; renamed to ``final`` once checked."""
+    final = Path(final)
+    return final.with_name(f"{final.stem}{HS_ATTEMPT_INFIX}{attempt}-{tag}{final.suffix}")
+
+
+def is_hs_attempt_file(path: Path) -> bool:
+    """A request attempt's file or lock (``hs_attempt_file``): never read as a sample, deleted when found."""
+    return HS_ATTEMPT_INFIX in Path(path).name
 
 
 HS_FILE_HEADER_BYTES = 320  # upper bound of one sample file's safetensors header (measured: 152-264 B)
@@ -980,7 +1011,7 @@ class HiddenStatesManifest:
     config_hash: str  # hash of the shared + extract config sections that produced this
     states: list[str] = field(default_factory=list)  # what each of the n states is, e.g. "enter layer 2", "final"
     num_retryable: int = 0  # of num_dropped: samples a transient failure left open (a rerun of 02 retries them)
-    format_version: int = FORMAT_VERSION
+    format_version: int = HS_FORMAT_VERSION
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -990,14 +1021,44 @@ def save_hs_manifest(path: Path, manifest: HiddenStatesManifest) -> None:
     atomic_write_json(path, manifest.to_json())
 
 
-def load_hs_manifest(path: Path) -> HiddenStatesManifest | None:
+def load_hs_manifest(path: Path, any_version: bool = False) -> HiddenStatesManifest | None:
+    """The manifest of a finished hidden_states/ (None: not finished). One of an older format (HS_FORMAT_VERSION) is
+    refused, naming stage 02 as the fix; stage 02 itself reads it with ``any_version`` (to upgrade it)."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return HiddenStatesManifest(**json.loads(path.read_text()))
+        manifest = HiddenStatesManifest(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise FormatError(f"{path}: not a hidden-states manifest ({e})") from None
+    if manifest.format_version > HS_FORMAT_VERSION:
+        raise FormatError(f"{path}: hidden states of format {manifest.format_version}, newer than this eagle3pipe "
+                          f"reads ({HS_FORMAT_VERSION}): update eagle3pipe")
+    if manifest.format_version < HS_FORMAT_VERSION and not any_version:
+        raise FormatError(
+            f"{path}: hidden states of format {manifest.format_version}, written before each sample file recorded "
+            f"the layer ids it holds (format {HS_FORMAT_VERSION}), so nothing can check its files: rerun "
+            "02_extract_hidden_states.py with the same settings (it checks every file and upgrades the manifest "
+            "when each carries its layer ids), or with --overwrite to extract them again")
+    return manifest
+
+
+def save_hs_finalize_plan(path: Path, files: list[tuple[int, int, int]]) -> None:
+    """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
+    hs_{i}. Written atomically before the first rename, so a rerun knows where each file went."""
+    atomic_write_bytes(path, json.dumps({"format_version": HS_FORMAT_VERSION, "files": [list(f) for f in files]},
+                                        separators=(",", ":")).encode())
+
+
+def load_hs_finalize_plan(path: Path) -> list[tuple[int, int, int]] | None:
+    """The plan ``save_hs_finalize_plan`` wrote (None: there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return [(int(p), int(s), int(k)) for p, s, k in json.loads(path.read_text())["files"]]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
 
 
 def check_hs_manifest(manifest: HiddenStatesManifest, **expected) -> list[str]:

@@ -619,8 +619,8 @@ class OnlineBatches:
                 model, max_model_len = await ex.server_info()
                 items = [(i, r.id, r.input_ids) for i, r in enumerate(self.dataset.online_rows)]
                 refuse_rows_too_long(items, max_model_len, urls)
-                if self.ranks.main and ex_cfg.verify_tokens:
-                    await check_capture(ex, items, 0, OutputHead)  # every server, before the first step
+                if ex_cfg.verify_tokens:  # rank 0: every server before the first step; each rank: every server
+                    await check_capture(ex, items, 0, OutputHead, now=self.ranks.main)  # its pool takes back
                     shutil.rmtree(check_dir, ignore_errors=True)
                 log.info("online: states of the next rows from %s (model %s) into %s, %.3f GB for this rank, %d "
                          "requests in flight", ", ".join(urls), model, self.dd.train_spool_rank(self.ranks.rank),
