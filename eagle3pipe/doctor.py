@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -165,7 +164,7 @@ def _tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
     out = {}
     for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
                                                                             cfg.extract.server_args)):
-        words = shlex.split(args)
+        words = list(args)  # config.py keeps server_args as a list of vLLM's words
         for i, w in enumerate(words):
             if w in ("--tensor-parallel-size", "-tp") and i + 1 < len(words):
                 out[key] = int(words[i + 1])
