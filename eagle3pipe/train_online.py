@@ -153,7 +153,8 @@ class OnlineBatches:
         self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
         self.collate = make_collate(dataset, cfg)
-        self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
+        self.planned: dict[int, tuple[list[Slot], dict[int, list[Slot]]]] = {}  # epoch: (its rows, {step: the
+        # held-out rows of the evaluation after that optimizer step})
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
         self.current: list[Slot] = []  # the epoch's rows being handed out, and how many were
@@ -216,9 +217,11 @@ class OnlineBatches:
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
-    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool) -> list[Slot]:
+    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool, step: int = 0) -> list[Slot]:
+        """``held_out``: the rows of the evaluation after optimizer step ``step``."""
         dataset = self.val_dataset if held_out else self.dataset
-        folder = self.dd.train_spool_eval_slot if held_out else self.dd.train_spool_slot
+        folder = (lambda rank, _, k: self.dd.train_spool_eval_slot(rank, step, k)) if held_out else \
+            self.dd.train_spool_slot
         return [Slot(epoch, k, list(r), dataset, folder(self.ranks.rank, epoch, k), self.row_bytes(r, dataset),
                      held_out=held_out, repeat=r in rows[:k]) for k, r in enumerate(rows)]
 
@@ -236,16 +239,23 @@ class OnlineBatches:
 
     def plan(self, epochs) -> None:
         """Queues every row the run will read (``train.run_plan``), in the order the loop reads them: each epoch's
-        packed rows, then its held-out rows when it ends in an evaluation. The prefetcher admits them in that order
-        as the spool budget frees, so the next epoch's first rows are extracted while this one's last steps train."""
+        packed rows, with the held-out rows of each evaluation after the rows of the step it follows
+        (``EpochPlan.eval_steps``). The prefetcher admits them in that order as the spool budget frees, so the next
+        epoch's first rows are extracted while this one's last steps train."""
         queued: list[Slot] = []
+        accum = self.cfg.train.grad_accum
         for p in epochs:
             self.first_step[p.epoch] = p.first_step
             rows = self._slots(p.epoch, p.rows, False)
-            held_out = (self._slots(p.epoch, self.eval_rows, True)
-                        if p.evaluates and self.val_dataset is not None else [])
-            self.planned[p.epoch] = (rows, held_out)
-            queued += rows + held_out
+            evals = ({step: self._slots(p.epoch, self.eval_rows, True, step) for step in p.eval_steps}
+                     if self.val_dataset is not None else {})
+            self.planned[p.epoch] = (rows, evals)
+            done = 0
+            for step in sorted(evals):
+                upto = (step - p.first_step) * accum  # the rows of the steps up to this evaluation
+                queued += rows[done:upto] + evals[step]
+                done = upto
+            queued += rows[done:]
         if self.cache_budget:
             self._plan_cache(queued)
         self.steps_done = epochs[0].first_step if epochs else 0
@@ -281,13 +291,13 @@ class OnlineBatches:
         self.current, self.handed = slots, 0  # stop_reason's view of the rows handed out next
         return self._batches(slots)
 
-    def evaluation(self, epoch: int):
-        """The host batches of this rank's held-out rows, for the evaluation after ``epoch`` (as offline: the
-        held-out split's one packing, the rank's share)."""
-        if epoch in self.planned and self.planned[epoch][1]:
-            slots = self.planned[epoch][1]
+    def evaluation(self, epoch: int, step: int):
+        """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step`` (as
+        offline: the held-out split's one packing, the rank's share)."""
+        if step in self.planned.get(epoch, ([], {}))[1]:
+            slots = self.planned[epoch][1][step]
         else:
-            slots = self._slots(epoch, self.eval_rows, True)
+            slots = self._slots(epoch, self.eval_rows, True, step)
             self._queue(slots)
         return self._batches(slots)
 
@@ -398,7 +408,7 @@ class OnlineBatches:
         c = self.epochs.get(epoch)
         if c is None:
             return None
-        rows = self.planned.get(epoch, ([], []))[0]
+        rows = self.planned.get(epoch, ([], {}))[0]
         first = self.first_step.get(epoch, 0)
         return {"kind": "online", "epoch": epoch, "samples_trained": c["samples"], "samples_extracted": c["extracted"],
                 "samples_dropped": c["dropped"], "samples_open": c["open"], "extract_wait_s": c["wait_s"],
