@@ -977,7 +977,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     model.train()
     tokens_seen, t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
     waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
-    window = None  # this rank's metric sums since the last log line: the logged figures are their means
+    window, window_steps = None, 0  # this rank's metric sums since the last log line (the logged figures are their
+    # means) and the steps they span (after a resume, the steps since the checkpoint)
     stopped = False
     try:
         for epoch in range(state.epoch, t.epochs):
@@ -1018,6 +1019,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 scheduler.step()
                 source.step_done()
                 state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
+                window_steps += 1
                 logged = state.step % t.log_every == 0 or state.step == cap
                 saving = state.step % t.checkpoint_every == 0
                 evaluating = state.step in plans[epoch].eval_steps
@@ -1025,7 +1027,6 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     skips.sync()
                 if logged:  # the means over every row since the last log line, pooled over ranks
                     totals, (tokens_all,) = reduce_metrics(window, keys, device, [tokens_seen], ranks.distributed)
-                    window = None
                     row = summarize(totals, t.ttt_steps)
                     rate = tokens_all / max(time.monotonic() - t0, 1e-9)
                     if ranks.main:
@@ -1034,10 +1035,11 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                                            "tokens": int(tokens_all), "elapsed_s": time.monotonic() - t0,
                                            "loader_wait_s": waited.get("loader_wait_s", 0.0),
                                            "skipped_samples": sum(skips.trained.values()),
-                                           "rows": int(totals["loss_total"]), **row})
+                                           "rows": int(totals["loss_total"]), "window_steps": window_steps, **row})
                         progress.set_fields(loss=f"{row['loss']:.3f}", **{
                             f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
                             **{"tok/s": f"{rate:.0f}"})
+                    window, window_steps = None, 0
                 if evaluating:
                     ev = evaluate(epoch, state.step)
                     if not best or ev[ACCEPTANCE_KEY] > best[1]:
