@@ -478,12 +478,11 @@ class EpochPlan:
 
 
 def eval_due(step: int, epoch_end: bool, last_step: int, every: int) -> bool:
-    """A held-out evaluation follows optimizer step ``step``: every ``train.eval_every_steps`` steps and after the
-    run's last step, or (0) after the last step of each epoch. The loop and ``run_plan`` (the online source plans
-    the held-out rows from it) both ask this."""
-    if every:
-        return step % every == 0 or step == last_step
-    return epoch_end
+    """A held-out evaluation follows optimizer step ``step``: every ``train.eval_every_steps`` steps, or (0) after the
+    last step of each epoch; and after the run's last step (--max-steps may end it inside an epoch), so the weights
+    a run ends with always have a figure. The loop and ``run_plan`` (the online source plans the held-out rows
+    from it) both ask this."""
+    return (step % every == 0 if every else epoch_end) or step == last_step
 
 
 def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: int, accum: int, rank: int,

@@ -262,6 +262,8 @@ def test_logged_loss_and_acc_are_means_since_the_last_log_line(tmp_path, toy_lla
             assert line[f"acc_{k}"] == pytest.approx(sum(r[f"acc_{k}"] * r[f"acc_{k}_tokens"] for r in window)
                                                      / tokens, rel=1e-6, abs=1e-9)
         assert line["lr"] == window[-1]["lr"]  # the rate of the line's own step
+    # eval_every_steps 0: after each epoch's last step (4 steps an epoch), and after the step --max-steps ends on
+    assert [r["step"] for r in _records(tmp_path / "every3", "eval")] == [4, 7]
 
 
 def test_export_from_a_step_equals_its_export_and_leaves_a_running_training_alone(tmp_path, toy_llama, capsys):
