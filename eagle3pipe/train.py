@@ -21,6 +21,12 @@ Every states file is checked as it is read (``train_data``): layer metadata that
 a file whose states are not one row per token id, or whose token ids are not its row's, is trained without, listed
 in checkpoints/skipped.jsonl with its file and reason (``train_metrics.SkippedSamples``: every rank's, written by
 rank 0), counted in the epoch's records; past --max-error-share of an epoch's samples the run checkpoints and stops.
+
+Monitoring (``train_metrics``): each log line holds the means since the line before; a held-out evaluation runs
+every train.eval_every_steps steps (0: after each epoch) and after the last step, with the simulated acceptance
+length, redrawing curves.png; every record also goes to train.report_to's trackers. train.export best exports the
+best evaluation's checkpoint (saved when made, never pruned); --export-from step_N exports any checkpoint beside a
+running training. The recipe (loss by name, AdamW decay and betas, clipping, hidden-state noise) is config.
 """
 
 from __future__ import annotations
