@@ -9,6 +9,7 @@ Usage:
         04_train.py --config configs/kimi_k25.yaml                                         # on every node
     python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
+    python 04_train.py --config configs/kimi_k25.yaml --export-from step_2000   # serve a checkpoint mid-run (05)
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
     python 04_train.py --config configs/kimi_k25.yaml --data-source online --eval-fraction 0 --spool-gb 64 \\
         --extract-url http://node1:8000                                 # states from vLLM as training goes
@@ -18,16 +19,18 @@ Reads:  <data_dir>/hidden_states/ (stage 02, bf16 or fp8; online: the rows stage
         <data_dir>/vocab/ (stage 03), the verifier's embedding,
         final norm and lm_head (Kimi-K2.5 nested layout included), and with --finetune-from a flat
         LlamaForCausalLMEagle3 draft (AQ-MedAI / SpecForge layout).
-Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at the end), metrics.jsonl, curves.png,
-        final/ (flat LlamaForCausalLMEagle3 for vLLM/SGLang, or speculators format), provenance.json},
-        logs/04_train.log (rank N under torchrun: logs/04_train.rankN.log; rank 0 alone writes everything else).
+Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at the end), metrics.jsonl, curves.png
+        (redrawn at every held-out evaluation), reports/ (--report-to tensorboard wandb), final/ (flat
+        LlamaForCausalLMEagle3 for vLLM/SGLang, or speculators format; --export best: the best evaluation's step),
+        provenance.json}, logs/04_train.log (rank N under torchrun: logs/04_train.rankN.log; rank 0 alone writes
+        everything else); --export-from step_N: checkpoints/export_step_N/ (or --export-to) and logs/04_export.log.
 All logic lives in eagle3pipe/train.py (model and checkpoint formats in eagle3pipe/draft.py).
 """
 
 import sys
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.train import run_train
+from eagle3pipe.train import run_train, train_log_name
 
 if __name__ == "__main__":
-    sys.exit(run_stage("train", "04_train", run_train, __doc__))
+    sys.exit(run_stage("train", train_log_name, run_train, __doc__))

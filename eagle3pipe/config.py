@@ -31,6 +31,9 @@ import yaml
 from .records import REQUEST_ERROR_KINDS
 
 
+REPORT_TO = ("tensorboard", "wandb")  # train.report_to's trackers
+
+
 class ConfigError(ValueError):
     """A configuration problem, named precisely enough to fix it (key, file, flag)."""
 
@@ -226,6 +229,17 @@ class TrainConfig:
     spool_gb: float = 8.0  # online: disk (GB, all ranks together) the states of the upcoming rows may take
     cache_gb: float = 0.0  # online: disk (GB, all ranks together) that keeps epoch 1's states for later epochs
     # ("hybrid": those samples are not extracted again; disk stays within spool_gb + cache_gb); 0 = re-extract all
+    report_to: list[str] = field(default_factory=list)  # trackers besides metrics.jsonl: tensorboard, wandb (their own libraries; checkpoints/reports/)
+    report_project: str = "eagle3pipe"  # wandb project of the run (WANDB_MODE=offline keeps it on disk)
+    eval_every_steps: int = 0  # optimizer steps between held-out evaluations (0 = once an epoch, after its last step)
+    export: str = "last"  # which weights checkpoints/final/ gets: "last" (the end of training) or "best" (the checkpoint of the evaluation with the highest simulated acceptance length)
+    export_from: str = ""  # export this checkpoint (step_N or its folder) and exit; trains nothing, beside a running training
+    export_to: str = ""  # folder --export-from writes; empty = checkpoints/export_step_N
+    loss: str = "kl_div"  # speculators' loss by name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON dict of weights; kl_div = its EAGLE-3 default
+    weight_decay: float = 0.01  # AdamW weight decay (speculators 0.9's default; TorchSpec's K2.5 recipe and SpecForge use 0)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas (torch's default, which speculators 0.9, TorchSpec and SpecForge all keep)
+    max_grad_norm: float = 1.0  # gradient-norm clipping, 0 = none (speculators 0.9 and TorchSpec's K2.5 configs: 1.0; SpecForge: 0.5)
+    hidden_noise_std: float = 0.0  # uniform noise in [-std, std] added to the training rows' aux hidden states (speculators 0.9.0: none; before 0.9 its loader added 0.05)
 
 
 @dataclass
@@ -367,6 +381,7 @@ class PipelineConfig:
             if t.grad_accum < 1 or t.nproc_per_node < 0 or t.keep_checkpoints < 0 or t.min_free_gb < 0:
                 raise ConfigError("train.grad_accum must be >= 1; train.nproc_per_node, keep_checkpoints and "
                                   "min_free_gb >= 0")
+            self._validate_train_monitoring()
             if t.data_source not in ("offline", "online"):
                 raise ConfigError(f"train.data_source must be 'offline' or 'online', got {t.data_source!r}")
             if t.cache_gb and t.data_source != "online":
@@ -401,6 +416,30 @@ class PipelineConfig:
             if ev.tensor_parallel_size < 0 or ev.server_start_timeout_s <= 0:
                 raise ConfigError("evaluate.tensor_parallel_size must be >= 0 and evaluate.server_start_timeout_s > 0")
 
+
+    def _validate_train_monitoring(self) -> None:
+        """The trackers, evaluations, export choice and recipe of stage 04 (cheap checks; the loss name is
+        checked against speculators' own table at start)."""
+        t = self.train
+        for name in t.report_to:
+            if name not in REPORT_TO:
+                raise ConfigError(f"train.report_to: unknown tracker {name!r} (known: {', '.join(REPORT_TO)})")
+        if t.eval_every_steps < 0:
+            raise ConfigError(f"train.eval_every_steps must be >= 0 (0 = once an epoch), got {t.eval_every_steps}")
+        if t.export not in ("last", "best"):
+            raise ConfigError(f"train.export must be 'last' or 'best', got {t.export!r}")
+        if t.export == "best" and t.eval_fraction <= 0 and not t.export_from:
+            raise ConfigError("train.export best chooses by the held-out evaluation, and train.eval_fraction is 0: "
+                              "hold rows out (--eval-fraction 0.05) or export last")
+        if t.export_to and not t.export_from:
+            raise ConfigError("train.export_to names the folder of --export-from: pass --export-from step_N too")
+        if t.export_from and (t.resume or t.overwrite):
+            raise ConfigError("train.export_from exports a checkpoint and trains nothing: drop --resume/--overwrite")
+        if t.weight_decay < 0 or t.max_grad_norm < 0 or t.hidden_noise_std < 0:
+            raise ConfigError("train.weight_decay, max_grad_norm and hidden_noise_std must be >= 0, got "
+                              f"{t.weight_decay}, {t.max_grad_norm}, {t.hidden_noise_std}")
+        if len(t.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in t.adam_betas):
+            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {t.adam_betas}")
 
     def _validate_extract_backend(self, online: bool = False) -> None:
         """``online``: 04's online source, which always extracts on vLLM (extract.backend does not apply)."""

@@ -160,9 +160,10 @@ class DataDir:
         """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
 
-    def train_spool_eval_slot(self, rank: int, epoch: int, slot: int) -> Path:
-        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after ``epoch``."""
-        return self.train_spool_rank(rank) / f"epoch_{epoch}_eval_{slot}"
+    def train_spool_eval_slot(self, rank: int, step: int, slot: int) -> Path:
+        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after optimizer step
+        ``step`` (several an epoch with train.eval_every_steps)."""
+        return self.train_spool_rank(rank) / f"step_{step}_eval_{slot}"
 
     @property
     def train_spool_cache(self) -> Path:
@@ -225,6 +226,15 @@ class DataDir:
     @property
     def train_curves(self) -> Path:
         return self.checkpoints / "curves.png"
+
+    @property
+    def train_reports(self) -> Path:
+        """The trackers' own files (train.report_to): tensorboard/ event files, wandb/ runs, wandb_run_id."""
+        return self.checkpoints / "reports"
+
+    def train_export(self, step: int) -> Path:
+        """Where ``04_train.py --export-from step_N`` exports a checkpoint (a draft vLLM serves; final/ is apart)."""
+        return self.checkpoints / f"export_step_{step}"
 
     @property
     def eval(self) -> Path:
@@ -1216,11 +1226,15 @@ def load_vocab_summary(path: Path) -> VocabSummary:
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
 #       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
-#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}), per epoch eval ("eval") and per
-#                          epoch the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
+#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}: means since the line before),
+#                          per held-out evaluation ("eval": after a step, simulated_acceptance_length) and per epoch
+#                          the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
 #     run.json             {"settings": {...}}: draft architecture and data of the run, checked by --resume
-#     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
+#     curves.png           per-TTT-step loss and accuracy curves and the simulated acceptance length, redrawn at
+#                          every evaluation
 #     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
+#     export_step_{N}/     a step_N checkpoint exported by --export-from (its own provenance.json inside)
+#     reports/             train.report_to's files: tensorboard/ (event files), wandb/ (runs), wandb_run_id
 
 CKPT_MODEL_FILE = "model.safetensors"
 CKPT_OPTIMIZER_FILE = "optimizer.safetensors"
@@ -1344,7 +1358,10 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 #                      runs: {column: {set: {by_concurrency: {level: {requests, completion_tokens, wall_s,
 #                      tokens_per_s, per_request: [{id, completion_tokens, speculative_decoding (vLLM's counters)}],
 #                      server_counters, ...acceptance figures of that pass}}}}},
-#                      with_draft / without_draft: the exported draft / the verifier alone over every set}
+#                      with_draft / without_draft: the exported draft / the verifier alone over every set,
+#                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
+#                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
+#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}]}
 #   eval/report.md     one table per measure: rows = sets, columns = drafts
 #   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
@@ -1379,8 +1396,34 @@ def eval_markdown_table(report: dict) -> str:
         f"Acceptance pools every concurrency level; counted from {'; '.join(sources)}.",
         "",
     ]
+    plat = report.get("platform")
+    if plat:
+        version = plat.get("vllm_version")
+        lines += [f"Platform: vLLM {', '.join(version) if isinstance(version, list) else version} on "
+                  f"{plat.get('device') or plat.get('platform', '?')} ({plat.get('platform', '?')}"
+                  + (f", {plat['device_count']} device(s)" if plat.get("device_count") else "") + "), tensor "
+                  f"parallel {plat.get('tensor_parallel_size', '?')} on servers started here "
+                  f"({plat.get('servers_started_here', '?')} started here, {plat.get('servers_given', 0)} given by "
+                  "URL).", ""]
+    for d in report["drafts"]:
+        prov = d.get("provenance")
+        if prov:
+            lines += [f"Draft `{d['name']}`: trained {prov['trained_steps']} steps, exported step {prov['steps']} "
+                      f"({prov['export']}), {prov['rows_per_step']} packed rows a step, {prov['samples']} samples, "
+                      f"training config hash `{prov['config_hash']}` ({prov['provenance']}).", ""]
     lines += table("Acceptance length (1 + accepted / drafts)", drafts,
                    lambda c, s: fmt(acc[c][s]["acceptance_length"], ".3f"))
+    anchors = report.get("anchors") or []
+    if anchors:
+        lines += [f"### Published acceptance length of public drafts beside ours (their harness, prompts and "
+                  "settings: the same measure, not the same experiment)", "",
+                  "| benchmark | " + " | ".join(f"ours: {c}" for c in drafts) + " | "
+                  + " | ".join(a["draft"] for a in anchors) + " |", "| --- |" + " ---: |" * (len(drafts) + len(anchors))]
+        for s in sets:
+            lines.append("| " + s + " | " + " | ".join(fmt(acc[c][s]["acceptance_length"], ".3f") for c in drafts)
+                         + " | " + " | ".join(fmt(a["acceptance_length"].get(s), ".2f") for a in anchors) + " |")
+        lines += [""] + [f"- {a['draft']}: target {a['target']}; {a['settings']}"
+                         + (f"; {a['note']}" if a.get("note") else "") for a in anchors] + [""]
     lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
                    lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")
     tps, speedup = report["tokens_per_s"], report["speedup"]

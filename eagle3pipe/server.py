@@ -695,14 +695,22 @@ class VllmEnvironment:
     platform: str  # "cpu" or "gpu": vLLM's own ``current_platform``
     device_count: int  # accelerators it sees (1 on CPU)
     per_request_spec_metrics: bool  # it knows --per-request-spec-decode-metrics (vLLM 0.32 does)
+    version: str = ""  # vllm.__version__
+    device_name: str = ""  # the platform's name of device 0 ("cpu" on a CPU build, e.g. "NVIDIA H200" on CUDA)
 
 
 _PROBE = """import dataclasses, json
+import vllm
 from vllm.platforms import current_platform as p
 from vllm.engine.arg_utils import EngineArgs
 fields = {f.name for f in dataclasses.fields(EngineArgs)}
+try:
+    device = p.get_device_name(0)
+except Exception:
+    device = ""
 print("EAGLE3PIPE_PROBE " + json.dumps({"cpu": p.is_cpu(), "count": 1 if p.is_cpu() else p.device_count(),
-                                        "prm": "per_request_spec_decode_metrics" in fields}))
+                                        "prm": "per_request_spec_decode_metrics" in fields,
+                                        "version": vllm.__version__, "device": device}))
 """
 
 
@@ -726,7 +734,8 @@ def probe_vllm(python: str | None = None, timeout_s: float = 300.0) -> VllmEnvir
         raise ServerError(f"{python} could not import vLLM to tell its platform (exit {out.returncode}):\n{tail}")
     found = json.loads(lines[-1].split(" ", 1)[1])
     return VllmEnvironment(platform="cpu" if found["cpu"] else "gpu", device_count=int(found["count"]),
-                           per_request_spec_metrics=bool(found["prm"]))
+                           per_request_spec_metrics=bool(found["prm"]), version=found.get("version", ""),
+                           device_name=found.get("device", ""))
 
 
 # The guard: a tiny process, outside both the owner's and the server's process group, holding the read end of a

@@ -126,20 +126,25 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
     return dataset("train"), (dataset("val") if train_ratio < 1.0 else None), manifest
 
 
-def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]]) -> Iterator[tuple[int, bool, bool, list[int]]]:
+def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]],
+              accum: int = 1) -> Iterator[tuple[int, bool, bool, list[int]]]:
     """(rank, held out, real, samples) of every packed row the job reads, in the order it reads them: epoch by epoch
-    (``every_rank[r]``: rank r's ``train.run_plan``), each step's rows micro-step by micro-step and rank by rank (the
-    packing's order), then, when the epoch ends in an evaluation, every rank's held-out rows (``eval_rows[r]``, the
-    same each epoch). ``real`` False: the weight-0 placeholder a rank re-reads (another rank's row)."""
+    (``every_rank[r]``: rank r's ``train.run_plan``), each step's rows micro-step by micro-step (``accum`` a step)
+    and rank by rank (the packing's order), and after each step an evaluation follows (``EpochPlan.eval_steps``),
+    every rank's held-out rows (``eval_rows[r]``, the same at every evaluation). ``real`` False: the weight-0
+    placeholder a rank re-reads (another rank's row)."""
     for plans in zip(*every_rank):  # one EpochPlan of every rank, per epoch
-        for m in range(len(plans[0].plan)):
-            for rank, p in enumerate(plans):
-                yield rank, False, p.plan[m][1], p.rows[m]
-        if plans[0].evaluates:
-            for j in range(max(map(len, eval_rows), default=0)):
-                for rank, rows in enumerate(eval_rows):
-                    if j < len(rows):
-                        yield rank, True, True, rows[j]
+        first = plans[0]
+        evaluate_after = {(s - first.first_step) * accum for s in first.eval_steps}  # micro-steps read before each
+        for m in range(len(first.plan) + 1):
+            if m in evaluate_after:
+                for j in range(max(map(len, eval_rows), default=0)):
+                    for rank, rows in enumerate(eval_rows):
+                        if j < len(rows):
+                            yield rank, True, True, rows[j]
+            if m < len(first.plan):
+                for rank, p in enumerate(plans):
+                    yield rank, False, p.plan[m][1], p.rows[m]
 
 
 def plan_cache(reads, file_bytes: Callable[[bool, int], tuple[int, int]],
@@ -185,8 +190,8 @@ class Slot:
     dataset: object  # the split the row packs (its file index of sample i: dataset.start_file_idx + i)
     folder: Path
     reserved: int  # upper bound of its files' bytes
-    held_out: bool = False  # a row of the evaluation after the epoch, not trained
-    step: int | None = None  # the run's optimizer step that trains it (1-based; None: held out)
+    held_out: bool = False  # a row of an evaluation, not trained
+    step: int | None = None  # the run's optimizer step that trains it (1-based; held out: the step it follows)
     ready: threading.Event = field(default_factory=threading.Event)
     # the step's first row again, weight 0, where the epoch's last step has fewer rows than ranks x grad_accum
     # (train.rank_rows' real False): another rank's row, so never counted, listed or a reason to stop
@@ -223,7 +228,8 @@ class OnlineBatches:
         self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
         self.collate = make_collate(dataset, cfg)
-        self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
+        self.planned: dict[int, tuple[list[Slot], dict[int, list[Slot]]]] = {}  # epoch: (its rows, {step: the
+        # held-out rows of the evaluation after that optimizer step})
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
         self.current: list[Slot] = []  # the epoch's rows being handed out, and how many were
@@ -292,12 +298,15 @@ class OnlineBatches:
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
     def _slots(self, epoch: int, rows: list[list[int]], held_out: bool, real: list[bool] | None = None,
-               first_step: int = 0) -> list[Slot]:
+               first_step: int = 0, step: int = 0) -> list[Slot]:
+        """``held_out``: the rows of the evaluation after optimizer step ``step``; else the epoch's packed rows from
+        step ``first_step`` on, ``real`` False marking the weight-0 placeholder rows (the plan's flags)."""
         dataset = self.val_dataset if held_out else self.dataset
-        folder = self.dd.train_spool_eval_slot if held_out else self.dd.train_spool_slot
+        folder = (lambda rank, _, k: self.dd.train_spool_eval_slot(rank, step, k)) if held_out else \
+            self.dd.train_spool_slot
         accum = self.cfg.train.grad_accum
         return [Slot(epoch, k, list(r), dataset, folder(self.ranks.rank, epoch, k), self.row_bytes(r, dataset),
-                     held_out=held_out, step=None if held_out else first_step + k // accum + 1,
+                     held_out=held_out, step=step if held_out else first_step + k // accum + 1,
                      repeat=real is not None and not real[k]) for k, r in enumerate(rows)]
 
     def _queue(self, slots: list[Slot]) -> None:
@@ -317,22 +326,29 @@ class OnlineBatches:
 
     def plan(self, epochs, every_rank: list[list] | None = None) -> None:
         """Queues every row the run will read (``train.run_plan``), in the order the loop reads them: each epoch's
-        packed rows, then its held-out rows when it ends in an evaluation. The prefetcher admits them in that order
-        as the spool budget frees, so the next epoch's first rows are extracted while this one's last steps train.
-        ``every_rank``: every rank's run_plan (rank r's at r), from which the shared cache is planned.
+        packed rows, with the held-out rows of each evaluation after the rows of the step it follows
+        (``EpochPlan.eval_steps``). The prefetcher admits them in that order as the spool budget frees, so the next
+        epoch's first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan
+        (rank r's at r), from which the shared cache is planned.
 
         First (rank 0, the others wait): what an earlier run left is deleted, the spool folders of ranks this job
         does not have (a job resumed on fewer ranks; outside every budget otherwise) and the cache, and the failures
         listed for the steps (and evaluations) this run trains again are dropped from online_errors.jsonl."""
         self._start_clean(epochs)
         queued: list[Slot] = []
+        accum = self.cfg.train.grad_accum
         for p in epochs:
             self.first_step[p.epoch] = p.first_step
             rows = self._slots(p.epoch, p.rows, False, [real for _, real in p.plan], p.first_step)
-            held_out = (self._slots(p.epoch, self.eval_rows, True)
-                        if p.evaluates and self.val_dataset is not None else [])
-            self.planned[p.epoch] = (rows, held_out)
-            queued += rows + held_out
+            evals = ({step: self._slots(p.epoch, self.eval_rows, True, step=step) for step in p.eval_steps}
+                     if self.val_dataset is not None else {})
+            self.planned[p.epoch] = (rows, evals)
+            done = 0
+            for step in sorted(evals):
+                upto = (step - p.first_step) * accum  # the rows of the steps up to this evaluation
+                queued += rows[done:upto] + evals[step]
+                done = upto
+            queued += rows[done:]
         if self.cache_budget:
             self._plan_cache(queued, every_rank or [epochs])
         self.steps_done = epochs[0].first_step if epochs else 0
@@ -352,10 +368,9 @@ class OnlineBatches:
             path = self.dd.train_online_errors
             if epochs and path.exists():
                 repair_jsonl(path)
-                first_epoch, first_step = epochs[0].epoch, epochs[0].first_step
-                kept = [r for r in read_jsonl(path)
-                        if (r.get("held_out") and r["epoch"] < first_epoch)
-                        or (not r.get("held_out") and r.get("step", 0) <= first_step)]
+                # a step's rows and the evaluation after it are redone when the step is after the checkpoint's
+                first_step = epochs[0].first_step
+                kept = [r for r in read_jsonl(path) if r.get("step", 0) <= first_step]
                 write_jsonl_atomic(path, kept)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -374,7 +389,7 @@ class OnlineBatches:
                 sizes[held_out, i] = dataset.start_file_idx + i, self.row_bytes([i], dataset)
             return sizes[held_out, i]
 
-        owners, roles, self.cache_reserved = plan_cache(job_reads(every_rank, eval_rows), file_bytes,
+        owners, roles, self.cache_reserved = plan_cache(job_reads(every_rank, eval_rows, self.cfg.train.grad_accum), file_bytes,
                                                         self.cache_budget)
         mine = [(keeps, reuses) for rank, keeps, reuses in roles if rank == self.ranks.rank]
         assert len(mine) == len(slots), "the rank's reads in the job's plan differ from its queued rows"
@@ -410,13 +425,13 @@ class OnlineBatches:
         self.current, self.handed = slots, 0  # stop_reason's view of the rows handed out next
         return self._batches(slots)
 
-    def evaluation(self, epoch: int):
-        """The host batches of this rank's held-out rows, for the evaluation after ``epoch`` (as offline: the
-        held-out split's one packing, the rank's share)."""
-        if epoch in self.planned and self.planned[epoch][1]:
-            slots = self.planned[epoch][1]
+    def evaluation(self, epoch: int, step: int):
+        """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step`` (as
+        offline: the held-out split's one packing, the rank's share)."""
+        if step in self.planned.get(epoch, ([], {}))[1]:
+            slots = self.planned[epoch][1][step]
         else:
-            slots = self._slots(epoch, self.eval_rows, True)
+            slots = self._slots(epoch, self.eval_rows, True, step)
             self._queue(slots)
         return self._batches(slots)
 
@@ -438,7 +453,7 @@ class OnlineBatches:
             for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat and not slot.listed else ():
                 counts["open" if is_open else "dropped"] += 1
                 row = self.dataset.online_rows[i]
-                where = {"held_out": True} if slot.held_out else {"step": slot.step}
+                where = {"held_out": True, "step": slot.step} if slot.held_out else {"step": slot.step}
                 self.errors_log.write({"epoch": slot.epoch, **where, "rank": self.ranks.rank,
                                        **DroppedRow(self.manifest.input, i,
                                                     f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
@@ -447,7 +462,7 @@ class OnlineBatches:
     def _stop_message(self, slot: Slot) -> str:
         missing = slot.open_failures
         i = missing[0]
-        where = "the evaluation after it" if slot.held_out else f"step {slot.step}"
+        where = f"the evaluation after step {slot.step}" if slot.held_out else f"step {slot.step}"
         return (f"epoch {slot.epoch + 1}: {len(missing)} sample(s) of {where} not extracted after "
                 f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line {i + 1}: "
                 f"{slot.failed[i][0]}); listed in {self.dd.train_online_errors}. A step never trains without a "
@@ -527,7 +542,7 @@ class OnlineBatches:
         rank calls (rank 0 writes it). Counts are summed; the spool's high-water mark and the wait are the largest
         rank's (each rank has its own share); the cache's high-water mark is the sum of its owners'."""
         c = self.epochs.get(epoch)
-        rows = self.planned.get(epoch, ([], []))[0]
+        rows = self.planned.get(epoch, ([], {}))[0]
         first = self.first_step.get(epoch, 0)
         mine = None if c is None else {
             "samples_trained": c["samples"], "samples_extracted": c["extracted"], "samples_dropped": c["dropped"],

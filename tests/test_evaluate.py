@@ -441,3 +441,37 @@ def test_a_draft_is_judged_against_the_served_verifiers_own_hidden_size(tmp_path
                                                  verifier=toy_kimi, hidden_size_flag=False)
     assert code == 2 and starts == []
     assert f"hidden_size 256, the verifier's is {TOY_HIDDEN} ({toy_kimi / 'config.json'})" in err, err
+
+
+def test_draft_provenance_and_the_anchors_figures(tmp_path):
+    """Issue 29: 05's report says where each draft came from (04's provenance.json: beside final/, inside an
+    --export-from folder; nothing for a folder 04 did not write) and, for the named benchmarks, the anchors'
+    published acceptance lengths (REFERENCE.md's) with their settings."""
+    import time
+
+    from eagle3pipe.evaluate import anchor_figures, draft_provenance
+    from eagle3pipe.records import write_provenance
+
+    checkpoints = tmp_path / "checkpoints"
+    for folder in ("final", "export_step_4", "a_copy"):
+        (checkpoints / folder).mkdir(parents=True)
+    counts = {"steps": 10, "trained_steps": 12, "rows_per_step": 8, "samples": 100, "export": "best"}
+    write_provenance(checkpoints / "provenance.json", stage="train", config_hash="abc123", config={}, inputs=[],
+                     counts=counts, started=time.time())
+    write_provenance(checkpoints / "export_step_4" / "provenance.json", stage="train", config_hash="abc123",
+                     config={}, inputs=[], counts={"steps": 4, "rows_per_step": 8, "samples": 100,
+                                                   "export": "export_from step_4"}, started=time.time())
+    final = draft_provenance(checkpoints / "final")
+    assert {k: final[k] for k in ("steps", "trained_steps", "rows_per_step", "samples", "export", "config_hash")} == \
+        {**counts, "config_hash": "abc123"}
+    step4 = draft_provenance(checkpoints / "export_step_4")
+    assert step4["steps"] == step4["trained_steps"] == 4 and step4["export"] == "export_from step_4"
+    assert draft_provenance(checkpoints / "a_copy") is None  # checkpoints/provenance.json is final/'s alone
+    assert draft_provenance(tmp_path) is None and draft_provenance(None) is None
+    anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
+    assert [(a["draft"], a["acceptance_length"]) for a in anchors] == [
+        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.20, "mtbench": 2.69}),
+        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.27, "mtbench": 2.39})]
+    assert all("k = 3" in a["settings"] and not a["note"] for a in anchors)
+    assert "not comparable" in anchor_figures(["math500"], 5)[0]["note"]
+    assert anchor_figures(["held_out"], 3) == []

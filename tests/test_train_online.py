@@ -994,3 +994,27 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in steps_a], abs=1e-5)
     wa, wd = weights(a), weights(d)
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_online_evaluates_every_n_steps_as_offline(storage, toy_llama, server, offline_runs):
+    """train.eval_every_steps online (issue 29): each evaluation's held-out rows are planned right after the rows of
+    the step it follows, in their own spool folders, so the prefetch reaches them in the order the loop reads;
+    the evaluations (mid-epoch ones too) equal offline's on stage 02's states, and the spool ends empty."""
+    import shutil
+
+    offline = storage / "a_every"
+    shutil.copytree(storage / "a", offline, ignore=shutil.ignore_patterns("checkpoints"))
+    run_train(make_cfg(offline, toy_llama, [server.url], eval_fraction=EVAL_FRACTION, eval_every_steps=2))
+    online = storage / "c_every"
+    run_train(online_cfg(online, toy_llama, [server.url], eval_fraction=EVAL_FRACTION, eval_every_steps=2))
+    train = metrics(offline, "train")
+    last = train[-1]["step"]
+    want = [s for s in range(1, last + 1) if s % 2 == 0 or s == last]  # every 2 steps and after the last
+    epoch_ends = {max(r["step"] for r in train if r["epoch"] == e) for e in (0, 1)}
+    ev_off, ev_on = metrics(offline, "eval"), metrics(online, "eval")
+    assert [r["step"] for r in ev_on] == [r["step"] for r in ev_off] == want
+    assert set(want) - epoch_ends  # evaluations inside an epoch among them
+    for a, b in zip(ev_off, ev_on):
+        assert {k: b[k] for k in a if k != "kind"} == pytest.approx({k: v for k, v in a.items() if k != "kind"},
+                                                                    abs=1e-5)
+    assert not list(DataDir(online).train_spool.rglob("hs_*.safetensors"))
