@@ -6,20 +6,27 @@
 #   ./run_all.sh --config configs/kimi_k25.yaml [--vllm-url http://host:8000] [--from 02_extract | --only 04_train]
 #                [--to 04_train] [--force] [--allow-human-answers]
 #   nohup ./run_all.sh --config configs/kimi_k25.yaml > run_all.out 2>&1 &   tail -f run_all.out
+#   ./run_all.sh --config FILE --check | --plan | --status    (run nothing: check this node / cost the run / show
+#                                                              each stage's state, progress, ETA and drops)
 #
 # Each stage logs to <data_dir>/logs/<stage>.log (the stage's own log) and to the terminal; the whole run's output,
 # tracebacks included, is appended to <data_dir>/logs/run_all.log. A stage that exited 0 leaves a marker
 # <data_dir>/run_all/<stage>.done holding its config hash; a rerun with the same config skips it (--force re-runs).
 # A stage that runs makes every later stage run too. The first failing stage stops the run, naming itself, its
-# error, its log and the command that resumes. Stopping run_all (kill PID, Ctrl-C) stops the running stage cleanly
-# and waits for it (a second signal kills it). Without a vLLM URL, 01b is skipped and 02-04 read synthetic/ when an
-# earlier 01b finished it, else prepared/ (with thinking on, only with --allow-human-answers). Stage names:
+# error, its log and the command that resumes (also printed at the start, for a run that is killed or loses its
+# node): run again, it continues where the run stopped, 04 from its newest checkpoint (--resume, given when this
+# run_all started 04 with the same config and 04 did not finish). Stopping run_all (kill PID, Ctrl-C) stops the
+# running stage cleanly and waits for it (a second signal kills it). Without a vLLM URL, 01b is skipped and 02-04
+# read synthetic/ when an earlier 01b finished it, else prepared/ (with thinking on, only with
+# --allow-human-answers). Stage names:
 # 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
 # Stage 04 runs under torchrun on train.nproc_per_node processes of this node when that is more than 1 (0, the
-# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py.
+# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py. Before the first stage after
+# 01 that runs, the plan's disk estimate of the whole run is checked against the data dir's free space
+# (python -m eagle3pipe.costs --check-disk; extract.force_disk starts anyway).
 set -uo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 # Everything runs inside main(): bash reads a function whole before calling it, so editing or updating this
 # file (git pull) while a long nohup run is in progress cannot change the running script under its feet.
@@ -28,7 +35,7 @@ main() {
   REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   RESUME_CMD="$(printf '%q ' "$0" "$@")"  # the command as typed: rerunning it resumes
-  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0
+  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE=""
   VLLM_URLS=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -39,6 +46,7 @@ main() {
       --to) TO="$2"; shift 2 ;;
       --force) FORCE=1; shift ;;
       --allow-human-answers) ALLOW_HUMAN=1; shift ;;
+      --check|--plan|--status) MODE="${1#--}"; shift ;;
       -h|--help) usage; exit 0 ;;
       *) echo "run_all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -47,6 +55,13 @@ main() {
   [ -f "$CONFIG" ] || { echo "run_all.sh: config file not found: $CONFIG" >&2; exit 2; }
   CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
   cd "$REPO" || exit 2
+
+  URL_ARGS=() ; [ ${#VLLM_URLS[@]} -gt 0 ] && URL_ARGS=(--vllm-url "${VLLM_URLS[@]}")
+  case "$MODE" in  # report and exit: nothing runs
+    check) exec "$PYTHON" -m eagle3pipe.doctor --config "$CONFIG" "${URL_ARGS[@]}" ;;
+    plan) exec "$PYTHON" -m eagle3pipe.costs --config "$CONFIG" "${URL_ARGS[@]}" ;;
+    status) exec "$PYTHON" -m eagle3pipe.status --config "$CONFIG" ;;
+  esac
 
   PLAN_ARGS=(plan --config "$CONFIG")
   [ ${#VLLM_URLS[@]} -gt 0 ] && PLAN_ARGS+=(--vllm-url "${VLLM_URLS[@]}")
@@ -91,11 +106,13 @@ main() {
   trap 'on_signal HUP 129' HUP
 
   mapfile -t ALL_MARKERS < <(cut -f4 <<< "$PLAN")
+  mapfile -t ALL_STARTED < <(cut -f5 <<< "$PLAN")
   say "config $CONFIG, data dir $DATA_DIR, python $PYTHON"
+  say "to resume after an interruption, run: $RESUME_CMD"
   started=0 ; [ -z "$FROM" ] && started=1
-  ran_upstream=0
+  ran_upstream=0 costs_checked=0
   idx=-1
-  while IFS=$'\t' read -r name script hash marker log stage_config launcher extra; do
+  while IFS=$'\t' read -r name script hash marker started log stage_config launcher resume extra; do
     idx=$((idx + 1))
     matches "$name" "$FROM" && started=1
     if [ -n "$ONLY" ] && ! matches "$name" "$ONLY"; then continue; fi
@@ -106,16 +123,34 @@ main() {
     if [ $FORCE -eq 0 ] && [ $ran_upstream -eq 0 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$hash" ]; then
       say "$name: done before with this config (marker $marker), skipped"
     else
+      if [ "$name" != "01_prepare" ] && [ $costs_checked -eq 0 ]; then
+        # the whole run's disk, before 01b spends its hours (01 has run: its questions are counted)
+        costs_checked=1
+        if ! "$PYTHON" -m eagle3pipe.costs --config "$stage_config" "${URL_ARGS[@]}" --check-disk \
+             < /dev/null > >(tee -ia "$RUN_LOG") 2>&1; then
+          say "FAILED before stage $name: the plan's disk check (above); resume with: $RESUME_CMD"
+          exit 2
+        fi
+      fi
       say "$name: running $(basename "$script") (log $log)"
+      # started before with this config and not finished (its marker is removed when it finishes, and when a stage
+      # before it runs again): its resume flags (04: --resume) continue that run instead of refusing it
+      resume_flags=""
+      if [ "$resume" != "-" ] && [ -f "$started" ] && [ "$(cat "$started")" = "$hash" ]; then
+        resume_flags="$resume"
+        say "$name: continuing the run an earlier run_all started with this config ($resume)"
+      fi
       # This stage's output changes: later stages are no longer done, even in a later run.
-      rm -f "$marker" "${ALL_MARKERS[@]:$((idx + 1))}"
+      rm -f "$marker" "${ALL_MARKERS[@]:$((idx + 1))}" "${ALL_STARTED[@]:$((idx + 1))}"
+      mkdir -p "$(dirname "$started")"
+      echo "$hash" > "$started.tmp.$$" && mv "$started.tmp.$$" "$started"
       log_start=$(stat -c %s "$log" 2>/dev/null || echo 0)
       # launcher: "-" (the interpreter) or a module and its flags, e.g. torchrun for 04 (train.nproc_per_node)
       LAUNCH=("$PYTHON")
       # shellcheck disable=SC2206  # launcher holds whitespace-separated words by design
       [ "$launcher" != "-" ] && LAUNCH+=(-m $launcher) && say "$name: on $launcher"
-      # shellcheck disable=SC2086  # extra holds whitespace-separated flags by design
-      "${LAUNCH[@]}" "$script" --config "$stage_config" $extra < /dev/null > >(tee -ia "$RUN_LOG") 2>&1 &
+      # shellcheck disable=SC2086  # extra and resume_flags hold whitespace-separated flags by design
+      "${LAUNCH[@]}" "$script" --config "$stage_config" $extra $resume_flags < /dev/null > >(tee -ia "$RUN_LOG") 2>&1 &
       STAGE_PID=$!
       while :; do
         wait "$STAGE_PID"; rc=$?
@@ -138,6 +173,7 @@ main() {
       fi
       mkdir -p "$(dirname "$marker")"
       echo "$hash" > "$marker.tmp.$$" && mv "$marker.tmp.$$" "$marker"
+      rm -f "$started"
       ran_upstream=1
       say "$name: finished"
     fi

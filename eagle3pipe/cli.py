@@ -44,10 +44,11 @@ def _on_sigterm(signum, frame) -> None:
     raise StageInterrupted(128 + signal.SIGTERM)
 
 
-def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object], description: str | None,
-              argv: list[str] | None = None) -> int:
+def run_stage(stage: str, log_name: str | Callable[[PipelineConfig], str], fn: Callable[[PipelineConfig], object],
+              description: str | None, argv: list[str] | None = None) -> int:
     """Parse ``argv`` for ``stage``, log to ``<data_dir>/logs/<log_name>.log``, hold the stage's lock, call
-    ``fn(cfg)``; return the exit code."""
+    ``fn(cfg)``; return the exit code. ``log_name`` may depend on the config (04's --export-from runs beside a
+    training under its own log and lock)."""
     from .chat import ChatError, TokenIdMismatch
     from .records import FormatError
 
@@ -56,6 +57,8 @@ def run_stage(stage: str, log_name: str, fn: Callable[[PipelineConfig], object],
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if callable(log_name):
+        log_name = log_name(cfg)
     dd = DataDir(cfg.data_dir)
     rank = torchrun_rank()
     # under torchrun (stage 04) rank 0 logs, prints and holds the lock for the whole job; every other rank logs to

@@ -4,6 +4,12 @@ A YAML file has one section per dataclass below (``shared``, ``prepare``, ``gene
 ``train``, ``evaluate``). Precedence: CLI flag > YAML > default. Every field is a flag of the same name with dashes
 (``max_completion_tokens`` -> ``--max-completion-tokens``). Unknown keys and wrong types are rejected at start with
 the key named. Defaults are the Kimi-K2.5 values; ``configs/demo.yaml`` points the same fields at the toy verifier.
+
+The comment on each field (and the comment lines right below it) is its description: ``field_docs`` reads it from
+this file for every flag's ``--help`` (with the default), and for any reference generated from the config.
+``server_args`` (01b, 02 and 04 online, 05) is one type, ``VllmArgs``: a list of vLLM flags; a string (YAML or each
+``--server-args`` value) is split as a shell would. Flags that would move a started server off loopback or put a
+secret in our logs (``RESERVED_SERVER_FLAGS``) are refused there, naming what to use instead.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import dataclasses
 import hashlib
 import json
 import re
+import shlex
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,8 +31,73 @@ import yaml
 from .records import REQUEST_ERROR_KINDS
 
 
+REPORT_TO = ("tensorboard", "wandb")  # train.report_to's trackers
+
+
 class ConfigError(ValueError):
     """A configuration problem, named precisely enough to fix it (key, file, flag)."""
+
+
+# The type of every ``server_args``: vLLM flags for a server a stage starts, one word an item (the argv vLLM gets).
+# YAML takes a list, or one string split as a shell would; on the command line each --server-args value is split
+# that way and repeated flags add up.
+VllmArgs = typing.NewType("VllmArgs", list)
+
+# Flags of a server a stage starts that server_args may not set. vLLM keeps the last value of a flag and takes any
+# unambiguous abbreviation (argparse's allow_abbrev) or underscores (--api_key), so each is matched that way.
+_LOOPBACK = ("a server started here listens on 127.0.0.1 at a free port, so that no other machine reaches it (02's "
+             "writes files where a request says)")
+RESERVED_SERVER_FLAGS = {
+    "--host": _LOOPBACK,
+    "--port": _LOOPBACK,
+    # what vLLM itself treats as secrets (it redacts these in its own log): ours would be logged and saved
+    "--api-key": "a key there would be written to the stage's log, provenance.json and report.json: set $VLLM_API_KEY "
+                 "instead (vLLM's own variable: a server started here then requires it, and every client of ours "
+                 "sends it)",
+    "--hf-token": "a token there would be written to the stage's log and provenance.json: set $HF_TOKEN in the "
+                  "environment instead",
+}
+# where a server on another address or port is given instead, by the section whose server_args it is
+SERVER_URL_FLAGS = {
+    "generate": "start it yourself and pass its URL with --vllm-url",
+    "extract": "start it yourself (its command: python -m eagle3pipe.extract_vllm --config FILE --host ADDR, with "
+               "$VLLM_API_KEY set) and pass its URL with --extract-url",
+    "evaluate": "start it yourself and pass its URL with --eval-url (and --baseline-url)",
+}
+
+
+def reserved_server_flag(word: str) -> str | None:
+    """The reserved flag ``word`` sets in vLLM's parser (``--hos=x`` and ``--api_key`` included), else None."""
+    if not word.startswith("--") or word == "--":
+        return None
+    name = "--" + word[2:].split("=", 1)[0].replace("_", "-")
+    return next((flag for flag in RESERVED_SERVER_FLAGS if len(name) > 2 and flag.startswith(name)), None)
+
+
+def _check_vllm_args(key: str, value, source: str) -> list[str]:
+    """``value`` (a list of words, or one string split as a shell would) as vLLM's argv, refusing the reserved flags
+    and an item that holds a flag and its value together."""
+    if isinstance(value, str):
+        try:
+            value = shlex.split(value)
+        except ValueError as e:  # an unclosed quote
+            raise ConfigError(f"{source}: key '{key}': {e} in {value!r}") from None
+    if isinstance(value, list):  # YAML reads the 8 of [--tensor-parallel-size, 8] as a number: its word is "8"
+        value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{source}: key '{key}' must be a list of vLLM flags (strings), got {value!r}")
+    for i, word in enumerate(value):
+        flag = reserved_server_flag(word)
+        if flag is not None:
+            section = key.split(".", 1)[0]
+            fix = (f"; to serve on another address or port, {SERVER_URL_FLAGS[section]}"
+                   if flag in ("--host", "--port") else "")
+            raise ConfigError(f"{source}: {key}: {word.split('=', 1)[0]} is not allowed here: "
+                              f"{RESERVED_SERVER_FLAGS[flag]}{fix}")
+        if word.startswith("-") and re.match(r"-[^=\s]*\s", word):
+            raise ConfigError(f"{source}: {key}[{i}] {word!r} holds a flag and its value in one item: give each word "
+                              f"its own item ({', '.join(repr(w) for w in word.split())})")
+    return list(value)
 
 
 @dataclass
@@ -47,9 +120,8 @@ class SharedConfig:
     seed: int = 0  # seed for every random choice the stages make
     progress_every_s: float = 30.0  # seconds between plain progress lines when no terminal is attached
     vllm_url: list[str] = field(default_factory=list)  # base URL(s) of vLLM servers, e.g. http://host:8000 (no /v1)
-    # The real K2.5 tokenizer is remote code: trust_remote_code for tokenizer (and unknown config) loads, and
-    # --trust-remote-code for the servers the stages start.
-    trust_remote_code: bool = True
+    trust_remote_code: bool = True  # run the verifier folder's own code (the real K2.5 tokenizer is remote code):
+    # for tokenizer and config loads here, and --trust-remote-code for the servers the stages start
 
 
 @dataclass
@@ -81,7 +153,8 @@ class GenerateConfig:
     retry_backoff_s: float = 2.0  # wait before the first retry, seconds; doubled per retry, capped at 60
     request_extra_json: str = ""  # JSON object merged into every request body (vLLM extras: top_k, min_tokens, ...)
     overwrite: bool = False  # start afresh: delete synthetic/ responses, data, errors (e.g. after a bad server setup)
-    server_args: str = ""  # no --vllm-url: start the verifier's server here with these vLLM flags ("" = URL needed)
+    server_args: VllmArgs = field(default_factory=list)  # no --vllm-url: start the verifier's server here with these
+    # vLLM flags (empty = a URL is needed)
     server_start_timeout_s: float = 3600.0  # seconds to wait for that server to answer (K2.5 loads for tens of minutes)
 
 
@@ -90,7 +163,8 @@ class ExtractConfig:
     input: str = "synthetic"  # which rows to extract: "synthetic" (01b output) or "prepared" (01 output)
     backend: str = "transformers"  # "transformers" (the model in this process: small verifiers, the exact reference) or "vllm" (vLLM servers: K2.5's int4 kernels, TP in a node, a URL per node)
     extract_url: list[str] = field(default_factory=list)  # vllm: running extraction servers (repeatable, data parallel); empty = start one
-    server_args: str = ""  # vllm: extra flags for the server this stage starts, e.g. "--tensor-parallel-size 8"
+    server_args: VllmArgs = field(default_factory=list)  # vllm: extra flags for the server this stage (or 04 online)
+    # starts, e.g. --tensor-parallel-size 8
     server_start_timeout_s: float = 3600.0  # vllm: seconds to wait for a started server (K2.5 loads for tens of minutes)
     concurrency: int = 32  # vllm: requests in flight over all servers
     request_timeout_s: float = 600.0  # vllm: per-request client timeout, seconds
@@ -172,6 +246,17 @@ class TrainConfig:
     spool_gb: float = 8.0  # online: disk (GB, all ranks together) the states of the upcoming rows may take
     cache_gb: float = 0.0  # online: disk (GB, all ranks together) that keeps epoch 1's states for later epochs
     # ("hybrid": those samples are not extracted again; disk stays within spool_gb + cache_gb); 0 = re-extract all
+    report_to: list[str] = field(default_factory=list)  # trackers besides metrics.jsonl: tensorboard, wandb (their own libraries; checkpoints/reports/)
+    report_project: str = "eagle3pipe"  # wandb project of the run (WANDB_MODE=offline keeps it on disk)
+    eval_every_steps: int = 0  # optimizer steps between held-out evaluations (0 = once an epoch, after its last step)
+    export: str = "last"  # which weights checkpoints/final/ gets: "last" (the end of training) or "best" (the checkpoint of the evaluation with the highest simulated acceptance length)
+    export_from: str = ""  # export this checkpoint (step_N or its folder) and exit; trains nothing, beside a running training
+    export_to: str = ""  # folder --export-from writes; empty = checkpoints/export_step_N
+    loss: str = "kl_div"  # speculators' loss by name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON dict of weights; kl_div = its EAGLE-3 default
+    weight_decay: float = 0.01  # AdamW weight decay (speculators 0.9's default; TorchSpec's K2.5 recipe and SpecForge use 0)
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas (torch's default, which speculators 0.9, TorchSpec and SpecForge all keep)
+    max_grad_norm: float = 1.0  # gradient-norm clipping, 0 = none (speculators 0.9 and TorchSpec's K2.5 configs: 1.0; SpecForge: 0.5)
+    hidden_noise_std: float = 0.0  # uniform noise in [-std, std] added to the training rows' aux hidden states (speculators 0.9.0: none; before 0.9 its loader added 0.05)
 
 
 @dataclass
@@ -196,13 +281,37 @@ class EvaluateConfig:
     baseline: bool = True  # also measure the verifier alone, for tokens/s without a draft and the speedup (starts
     # one more server unless --baseline-url)
     baseline_url: str = ""  # a running vLLM server serving the verifier without a draft (no /v1)
-    server_args: list[str] = field(default_factory=list)  # vLLM flags for servers started here; non-empty REPLACES
+    server_args: VllmArgs = field(default_factory=list)  # vLLM flags for servers started here; non-empty REPLACES
     # the platform defaults (CPU: --enforce-eager; GPU: none). Always added: --model, --host, --port,
     # --served-model-name, --speculative-config, --tensor-parallel-size, --trust-remote-code (shared.trust_remote_code)
     vllm_platform: str = "auto"  # "auto" (ask the vLLM interpreter which platform it was built for), "cpu" or "gpu";
     # CPU adds --enforce-eager and VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set in the environment); GPU adds neither
     tensor_parallel_size: int = 0  # --tensor-parallel-size of servers started here; 0 = every GPU vLLM sees (CPU: 1)
     server_start_timeout_s: float = 3600.0  # seconds to wait for a started server to answer (K2.5 loads for minutes)
+
+
+@dataclass
+class PlanConfig:
+    # What `run_all.sh --plan` (eagle3pipe/costs.py) assumes to cost a run before 01b; no stage reads it. Defaults:
+    # Kimi-K2.5 on 8 x H200 nodes, measured where BENCHMARKS.md measured it, else projected (say which); set them
+    # from your own first hour (`run_all.sh --status` shows each stage's rate).
+    prompt_tokens: int = 1024  # mean tokens of a question's prompt, chat template included (assumed, not measured)
+    completion_tokens: int = 4096  # mean tokens 01b generates per question, reasoning + answer (assumed: K2.5 thinks
+    # for thousands of tokens; BENCHMARKS.md's K2.5 projections use 4 k-token samples). The disk bound uses max_seq_len
+    generate_tokens_per_s: float = 2000.0  # 01b: generated tokens/s of one server (projected: vLLM's Kimi-K2-Thinking
+    # recipe, same architecture and int4, 8 x H200 TP 8, peak output 2100 tok/s; its overloaded mean was 486)
+    extract_tokens_per_s: float = 16000.0  # 02 and 04 online: tokens/s of one extraction server (projected, 8 x H200
+    # TP 8: BENCHMARKS.md "Stage 02 on vLLM", 16-36 k tok/s, the low end)
+    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 draft,
+    # 32768-token rows, BENCHMARKS.md "Data parallel")
+    train_scaling: float = 0.91  # 04: each process's share of that rate when several train (projected: 0.91-0.96 for
+    # 8 GPUs of one node, BENCHMARKS.md "Data parallel", the low end)
+    packing_fill: float = 0.927  # 04: share of a packed row's slots holding tokens (measured at 32768-token rows)
+    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed from the draft's dimensions (fp32 weights +
+    # AdamW moments: 12.46 GB for the K2.5 draft, as measured; draft dims left at 0 are read from the verifier)
+    evaluate_tokens_per_s: float = 80.0  # 05: generated tokens/s of one request (projected: Dynamo's K2.5 benchmark
+    # shows ~105 tok/s per user on GB200 without a draft; an H200 is slower); a level of concurrency c runs c at once
+    server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)
 
 
 SECTIONS: dict[str, type] = {
@@ -213,6 +322,7 @@ SECTIONS: dict[str, type] = {
     "vocab": VocabConfig,
     "train": TrainConfig,
     "evaluate": EvaluateConfig,
+    "plan": PlanConfig,
 }
 
 
@@ -225,6 +335,7 @@ class PipelineConfig:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     source: str = "<defaults>"  # where the YAML came from, for error messages and provenance
 
     @property
@@ -297,6 +408,7 @@ class PipelineConfig:
             if t.grad_accum < 1 or t.nproc_per_node < 0 or t.keep_checkpoints < 0 or t.min_free_gb < 0:
                 raise ConfigError("train.grad_accum must be >= 1; train.nproc_per_node, keep_checkpoints and "
                                   "min_free_gb >= 0")
+            self._validate_train_monitoring()
             if t.data_source not in ("offline", "online"):
                 raise ConfigError(f"train.data_source must be 'offline' or 'online', got {t.data_source!r}")
             if t.cache_gb and t.data_source != "online":
@@ -358,6 +470,30 @@ class PipelineConfig:
                               f"train.dflash_loss ce, got {t.dflash_loss!r} (or use fixed-exp-decay)")
         if t.dflash_gamma <= 0:
             raise ConfigError(f"train.dflash_gamma must be > 0, got {t.dflash_gamma}")
+
+    def _validate_train_monitoring(self) -> None:
+        """The trackers, evaluations, export choice and recipe of stage 04 (cheap checks; the loss name is
+        checked against speculators' own table at start)."""
+        t = self.train
+        for name in t.report_to:
+            if name not in REPORT_TO:
+                raise ConfigError(f"train.report_to: unknown tracker {name!r} (known: {', '.join(REPORT_TO)})")
+        if t.eval_every_steps < 0:
+            raise ConfigError(f"train.eval_every_steps must be >= 0 (0 = once an epoch), got {t.eval_every_steps}")
+        if t.export not in ("last", "best"):
+            raise ConfigError(f"train.export must be 'last' or 'best', got {t.export!r}")
+        if t.export == "best" and t.eval_fraction <= 0 and not t.export_from:
+            raise ConfigError("train.export best chooses by the held-out evaluation, and train.eval_fraction is 0: "
+                              "hold rows out (--eval-fraction 0.05) or export last")
+        if t.export_to and not t.export_from:
+            raise ConfigError("train.export_to names the folder of --export-from: pass --export-from step_N too")
+        if t.export_from and (t.resume or t.overwrite):
+            raise ConfigError("train.export_from exports a checkpoint and trains nothing: drop --resume/--overwrite")
+        if t.weight_decay < 0 or t.max_grad_norm < 0 or t.hidden_noise_std < 0:
+            raise ConfigError("train.weight_decay, max_grad_norm and hidden_noise_std must be >= 0, got "
+                              f"{t.weight_decay}, {t.max_grad_norm}, {t.hidden_noise_std}")
+        if len(t.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in t.adam_betas):
+            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {t.adam_betas}")
 
     def _validate_extract_backend(self, online: bool = False) -> None:
         """``online``: 04's online source, which always extracts on vLLM (extract.backend does not apply)."""
@@ -446,8 +582,14 @@ def _field_types(cls: type) -> dict[str, typing.Any]:
     return typing.get_type_hints(cls)
 
 
+def _all_field_types() -> list[tuple[str, typing.Any]]:
+    return [(name, typ) for cls in SECTIONS.values() for name, typ in _field_types(cls).items()]
+
+
 def _check_value(key: str, value, typ, source: str):
     """Return ``value`` coerced to ``typ`` or raise a ConfigError naming the key."""
+    if typ is VllmArgs:
+        return _check_vllm_args(key, value, source)
     origin = typing.get_origin(typ)
     if origin is list:
         (item_type,) = typing.get_args(typ)
@@ -510,7 +652,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
 
 # flags of another section's field a stage also takes (one setting, one flag name in every stage that reads it)
 BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [  # 04 online: its servers, retries and error share
-    ("extract", "extract_url"), ("extract", "max_retries"), ("extract", "retry_backoff_s"),
+    ("extract", "extract_url"), ("extract", "server_args"), ("extract", "max_retries"), ("extract", "retry_backoff_s"),
     ("extract", "max_error_share")],
     "vocab": [("train", "draft")]}  # 03 resolves the DFlash mask token for --draft dflash
 
@@ -519,32 +661,105 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of config dataclass ``cls`` with its description: the comment on the field's line in this file
+    and the comment lines right below it, joined (the one source of --help and of any reference generated from the
+    config)."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    body = [node for node in ast.parse(source).body[0].body if isinstance(node, ast.AnnAssign)]
+    docs = {}
+    for node in body:
+        parts = [comments[node.end_lineno]] if node.end_lineno in comments else []
+        row = node.end_lineno + 1  # comment-only lines continuing it
+        while row <= len(lines) and lines[row - 1].strip().startswith("#"):
+            parts.append(comments[row])
+            row += 1
+        docs[node.target.id] = " ".join(parts)
+    return docs
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    """A field's default as it is written on the command line (lists space-separated, booleans as in YAML)."""
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if value != "" else "empty"
+
+
+def _join_flag_values(argv: list[str], flags: set[str]) -> list[str]:
+    """``--server-args --enforce-eager`` as ``--server-args=--enforce-eager``: argparse would read a value that
+    starts with a dash as a flag of ours."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _split_words(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+
+
 def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser:
-    """A parser with --config plus one flag per field of the shared section and of ``stage``'s section."""
+    """A parser with --config plus one flag per field of the shared section and of ``stage``'s section, each
+    described by its field's comment (``field_docs``) and default."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
+    parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + "); flags given "
+                                         "here override its values, which override the defaults shown")
     sections = ["shared"] + ([stage] if stage in SECTIONS and stage != "shared" else [])
     for section in sections + list(dict.fromkeys(s for s, _ in BORROWED_FLAGS.get(stage, []))):
         group = parser.add_argument_group(section)
         cls = SECTIONS[section]
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if section not in sections and (section, f.name) not in BORROWED_FLAGS[stage]:
                 continue
             typ = _field_types(cls)[f.name]
             dest = f"{section}.{f.name}"
+            # argparse formats help with %: a literal one is doubled
+            help_text = f"{docs[f.name]} (default: {_shown_default(f)})".replace("%", "%%")
+            metavar = f.name.upper()
             if typ is bool:
-                group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            elif typ is VllmArgs:
+                # one string split as a shell would; repeated flags add up
+                group.add_argument(_flag(f.name), dest=dest, type=_split_words, action="extend", default=None,
+                                   metavar="'FLAGS'", help=help_text)
             elif typing.get_origin(typ) is list:
                 (item_type,) = typing.get_args(typ)
                 # repeatable and multi-valued: --vllm-url A --vllm-url B or --aux-layer-ids 2 30 58
-                group.add_argument(_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend", default=None)
+                group.add_argument(_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend", default=None,
+                                   metavar=metavar, help=help_text)
             else:
-                group.add_argument(_flag(f.name), dest=dest, type=typ, default=None)
+                group.add_argument(_flag(f.name), dest=dest, type=typ, default=None, metavar=metavar, help=help_text)
     return parser
 
 
 def parse_stage_args(stage: str, argv: list[str] | None = None, description: str | None = None) -> PipelineConfig:
     """Parse ``argv`` for ``stage``: YAML from --config, then flags on top. Validates before returning."""
+    argv = _join_flag_values(list(sys.argv[1:] if argv is None else argv),
+                             {_flag(name) for name, typ in _all_field_types() if typ is VllmArgs})
     args = build_parser(stage, description).parse_args(argv)
     overrides: dict[str, dict] = {}
     for dest, value in vars(args).items():

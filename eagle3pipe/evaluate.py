@@ -32,12 +32,17 @@ replacing those defaults, ``--tensor-parallel-size`` and ``--trust-remote-code``
 ``evaluate.server_start_timeout_s`` to load in. Before any starts: every set is loaded and every draft folder
 checked, so an unknown set, a missing field, an empty set or a draft vLLM would refuse costs no server start.
 Outputs (records.py): ``eval/report.json`` (every raw counter, the exact server commands), ``eval/report.md`` (one
-table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acceptance length grouped by set).
+table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acceptance length grouped by set). Both
+reports say what was measured on (``platform``: vLLM version from each server's ``/version``, device, tensor
+parallel), where each draft came from (``draft_provenance``: 04's provenance.json beside or inside its folder:
+steps, rows, the training run's config hash) and, for the named benchmarks, the anchors' published acceptance
+lengths with their settings (``ANCHORS``, from shared/REFERENCE.md) beside ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -63,6 +68,75 @@ CPU_DEFAULT_ARGS = ["--enforce-eager"]  # CPU: start-up ~30 s instead of ~60 s; 
 CPU_KV_CACHE_GIB = 1
 EXPORTED_DRAFT = "draft"  # report column of the exported draft (--draft); baseline drafts are named after their folder
 VERIFIER_ALONE = "verifier alone"  # report column of the server without a draft
+
+
+# Published acceptance lengths of public K2/K2.5 drafts (shared/REFERENCE.md, "Anchor figures"): SGLang's "steps 3,
+# topk 1, num_draft_tokens 4" = k 3 draft tokens, acceptance length with the bonus token, as ours.
+ANCHORS = [
+    {"draft": "lightseekorg/kimi-k2.5-eagle3", "target": "Kimi-K2.5",
+     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), TorchSpec-trained on K2.5-regenerated data",
+     "acceptance_length": {"mtbench": 2.69, "gsm8k": 3.20, "humaneval": 3.29, "math500": 3.34}},
+    {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
+     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
+     "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},
+    # issue 31: a DFlash draft (README 05_evaluate.py); shown only beside a draft measured at its own k
+    {"draft": "z-lab/Kimi-K2.5-DFlash", "target": "Kimi-K2.5", "k": 7,
+     "settings": "DFlash block 8 = k 7, thinking on, greedy, 2048 new tokens, concurrency 1, SGLang",
+     "acceptance_length": {"mtbench": 3.7, "gsm8k": 5.3, "humaneval": 5.3, "math500": 5.5}},
+]
+ANCHOR_K = 3  # the EAGLE-3 anchors' k; an entry with its own "k" is a DFlash draft's
+
+
+def anchor_figures(set_names: list[str], k: int, draft_ks: set[int] = frozenset()) -> list[dict]:
+    """The anchors' published figures for the sets measured that they report (by known benchmark name), each with
+    its settings; a note when our k (the exported draft's) is not theirs (then the figures do not compare). A
+    DFlash anchor (its own "k") is listed only when some draft (``draft_ks``, with ``k``) ran at its k."""
+    out = []
+    for anchor in ANCHORS:
+        theirs = anchor.get("k", ANCHOR_K)
+        if "k" in anchor and theirs not in {k, *draft_ks}:
+            continue
+        figures = {name: anchor["acceptance_length"][name] for name in set_names if name in anchor["acceptance_length"]}
+        if figures:
+            out.append({**{key: anchor[key] for key in ("draft", "target", "settings")}, "acceptance_length": figures,
+                        "num_speculative_tokens": theirs,
+                        "note": "" if k == theirs else f"measured at k = {theirs}, ours at k = {k}: not comparable"})
+    return out
+
+
+def draft_provenance(folder: Path | None) -> dict | None:
+    """Where a draft came from, from 04's provenance.json (inside an --export-from folder; beside final/ in
+    checkpoints/): the steps it was trained (the step exported), the rows a step, the samples, the training run's
+    config hash. None for a draft 04 did not write (a baseline from elsewhere, a server started elsewhere)."""
+    from .records import read_provenance
+
+    if folder is None:
+        return None
+    for path in (folder / "provenance.json", folder.parent / "provenance.json"):
+        prov = read_provenance(path) if path.is_file() else None
+        if prov is None or prov.get("stage") != "train":
+            continue
+        if path.parent != folder and folder.name != "final":  # checkpoints/provenance.json describes final/ only
+            continue
+        counts = prov.get("counts", {})
+        return {"provenance": str(path), "config_hash": prov.get("config_hash"), "steps": counts.get("steps"),
+                "trained_steps": counts.get("trained_steps", counts.get("steps")),
+                "rows_per_step": counts.get("rows_per_step"), "samples": counts.get("samples"),
+                "export": counts.get("export", "last"), "finished": prov.get("finished")}
+    return None
+
+
+def server_version(url: str) -> str:
+    """vLLM's version as the server says (``/version``), or "unknown" when it does not answer it."""
+    import httpx2
+
+    try:
+        resp = httpx2.get(url.rstrip("/") + "/version", headers=auth_headers(), timeout=10.0)
+        resp.raise_for_status()
+        return str(resp.json().get("version", "unknown"))
+    except Exception as e:  # an old or proxied server: the report says so rather than failing the run
+        log.warning("%s/version did not answer (%s): the report names vLLM's version as unknown", url, e)
+        return "unknown"
 
 
 def speculative_config(draft_dir: Path, k: int) -> str:
@@ -92,6 +166,26 @@ def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
         raise StageError(f"--baseline-draft: two drafts named {', '.join(dupes)} (the exported draft is "
                          f"{EXPORTED_DRAFT!r}): name them apart with NAME=DIR")
     return columns
+
+
+@functools.cache
+def _text_hidden_size(verifier: str, trust_remote_code: bool) -> int:
+    from .verifier import load_text_config
+
+    text, _ = load_text_config(verifier, trust_remote_code)
+    return int(text.hidden_size)
+
+
+def verifier_hidden_size(cfg: PipelineConfig) -> int:
+    """The hidden size of the verifier the servers serve, from its own config.json (K2.5's nested text_config read
+    through), not shared.hidden_size: 05 takes --verifier alone, and that key's default is K2.5's."""
+    folder = Path(cfg.shared.verifier)
+    if not (folder / "config.json").is_file():
+        raise StageError(f"--verifier {folder}: no config.json there (a verifier folder in HF layout)")
+    try:
+        return _text_hidden_size(str(folder.resolve()), cfg.shared.trust_remote_code)
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise StageError(f"--verifier {folder / 'config.json'}: cannot be read as a model config ({e})") from None
 
 
 def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
@@ -132,9 +226,9 @@ def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
         raise StageError(f"{flag} {folder}: no *.safetensors weights")
     layer = config.get("transformer_layer_config") or {} if speculators else config
     hidden = layer.get("hidden_size")
-    if hidden is not None and int(hidden) != cfg.shared.hidden_size:
-        raise StageError(f"{flag} {config_path}: hidden_size {hidden}, the verifier's is {cfg.shared.hidden_size} "
-                         "(shared.hidden_size): a draft for another target")
+    if hidden is not None and int(hidden) != verifier_hidden_size(cfg):
+        raise StageError(f"{flag} {config_path}: hidden_size {hidden}, the verifier's is {verifier_hidden_size(cfg)} "
+                         f"({Path(cfg.shared.verifier) / 'config.json'}): a draft for another target")
     if speculators:
         return
     shapes = {}
@@ -215,6 +309,9 @@ def server_settings(cfg: PipelineConfig) -> dict:
         raise StageError("vLLM could not be asked how many GPUs it sees: set evaluate.tensor_parallel_size")
     tp = ev.tensor_parallel_size or (env.device_count if env is not None and not on_cpu else 1)
     settings = {"extra_args": list(ev.server_args) if ev.server_args else (list(CPU_DEFAULT_ARGS) if on_cpu else []),
+                "platform": {"platform": platform, "device": env.device_name if env is not None else "",
+                             "device_count": env.device_count if env is not None else None,
+                             "tensor_parallel_size": tp, "vllm_python_version": env.version if env else ""},
                 "enforce_eager": False, "kv_cache_gib": CPU_KV_CACHE_GIB if on_cpu else None,
                 "tensor_parallel_size": tp, "trust_remote_code": cfg.shared.trust_remote_code,
                 "startup_timeout_s": ev.server_start_timeout_s,
@@ -225,18 +322,6 @@ def server_settings(cfg: PipelineConfig) -> dict:
     return settings
 
 
-def _redacted(argv: list[str]) -> list[str]:
-    """A server command line fit for report.json: the value of any --api-key flag replaced by ***."""
-    out = []
-    for i, arg in enumerate(argv):
-        if i and argv[i - 1] == "--api-key":
-            arg = "***"
-        elif arg.startswith("--api-key="):
-            arg = "--api-key=***"
-        out.append(arg)
-    return out
-
-
 @contextmanager
 def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict,
             what: str):
@@ -245,14 +330,14 @@ def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, ser
     if url:
         yield url.rstrip("/"), {"url": url.rstrip("/"), "started_here": False}
         return
-    kwargs = {k: v for k, v in settings.items() if k not in ("extra_args", "per_request_metrics")}
+    kwargs = {k: v for k, v in settings.items() if k not in ("extra_args", "per_request_metrics", "platform")}
     server = VllmServer(model_dir, extra_args=extra_args + settings["extra_args"], log_file=log_file,
                         served_model_name=served_name, **kwargs)
     try:
         server.start()
     except ServerError as e:  # a known failure (e.g. vLLM refused the draft): one line naming the log
         raise StageError(f"{what}: {e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
-    started = {"started_here": True, "command": _redacted(server.command()), "log": str(log_file),
+    started = {"started_here": True, "command": server.command(), "log": str(log_file),
                "env": {"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {},
                "start_s": round(server.start_seconds or 0.0, 1)}
     try:
@@ -398,11 +483,13 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
             spec_args += [PER_REQUEST_FLAG, "summary"]
         with _server(url, cfg.shared.verifier, spec_args, dd.eval_server_log(_log_name(name)), served_name,
                      settings, f"draft {name!r} ({folder})") as (server_url, how):
+            how["vllm_version"] = server_version(server_url)
             runs[name] = measure_server(server_url, sets, cfg, with_draft=True, column=name)
         acceptance[name] = {s: per_set.pop("acceptance") for s, per_set in runs[name].items()}
         ks[name] = {p.pop("num_speculative_tokens") for per_set in runs[name].values()
                     for p in per_set["by_concurrency"].values()}
-        drafts_out.append({"name": name, "folder": None if url else str(folder), "server": how})
+        drafts_out.append({"name": name, "folder": None if url else str(folder), "server": how,
+                           "provenance": draft_provenance(None if url else folder)})
     for name, k_set in ks.items():
         if len(k_set) != 1:
             raise StageError(f"draft {name!r}: its server drafted different k per step ({sorted(k_set)})")
@@ -418,6 +505,7 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
     if measure_alone:
         with _server(ev.baseline_url, cfg.shared.verifier, [], dd.eval_server_log(_log_name(VERIFIER_ALONE)),
                      served_name, settings, "the verifier alone") as (server_url, how):
+            how["vllm_version"] = server_version(server_url)
             runs[VERIFIER_ALONE] = measure_server(server_url, sets, cfg, with_draft=False, column=VERIFIER_ALONE)
         alone_out = {"server": how}
     levels = [str(c) for c in ev.concurrency]
@@ -428,8 +516,16 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
                           for c in levels} for s, tps in tokens_per_s[name].items()} for name, _ in columns}
     with_draft = _summary(runs[EXPORTED_DRAFT], acceptance[EXPORTED_DRAFT], levels[0])
     without = _summary(runs[VERIFIER_ALONE], None, levels[0]) if measure_alone else None
+    servers = [d["server"] for d in drafts_out] + ([alone_out["server"]] if alone_out else [])
+    versions = sorted({h["vllm_version"] for h in servers})
     report = {
         "verifier": cfg.shared.verifier,
+        # what it was measured on: a CPU's tokens/s and speedup say nothing of a GPU's
+        "platform": {**settings.get("platform", {"platform": "unknown (servers started elsewhere)"}),
+                     "vllm_version": versions[0] if len(versions) == 1 else versions,
+                     "servers_started_here": sum(bool(h.get("started_here")) for h in servers),
+                     "servers_given": sum(not h.get("started_here") for h in servers)},
+        "anchors": anchor_figures([st.name for st in sets], k, set(by_draft.values())),
         "num_speculative_tokens": k,
         "num_speculative_tokens_by_draft": by_draft,
         "num_prompts": len(sets[0].prompts),

@@ -30,19 +30,26 @@ from .config import ConfigError, PipelineConfig
 from .extract_worker import ShardJob, worker_main, clean_shard_dir, extract_shard
 from .progress import format_duration
 from .records import (
+    HS_FORMAT_VERSION,
+    HS_META_LAYER_IDS,
     DataDir,
     DroppedRow,
     FormatError,
     HiddenStatesManifest,
     HsJournalEntry,
     atomic_write_json,
+    check_hs_file_metadata,
     check_synthetic_finished,
     forget_hs_journal_entries,
     hs_bytes_estimate,
     hs_bytes_per_token,
+    is_hs_attempt_file,
+    load_hs_finalize_plan,
     load_hs_journal,
     load_hs_manifest,
     load_training_rows,
+    read_hidden_states_header,
+    save_hs_finalize_plan,
     save_hs_manifest,
     save_hs_rows,
     write_jsonl_atomic,
@@ -214,15 +221,52 @@ def written_files(dd: DataDir, entries: dict[int, HsJournalEntry]) -> list[tuple
             for g, e in enumerate(written)]
 
 
-def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
-    """Undo a finalize that left samples open (within --max-error-share) so this run retries them: every file goes
-    back to its shard (the journals are those finalize renamed from, so the mapping is the same), then the manifest
-    goes. Idempotent: an interrupted reopen is finished by the next run (the manifest is removed last)."""
-    log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
-             dd.hidden_states, manifest.num_retryable)
-    for _, src, dst in written_files(dd, journal_entries(dd)):
+def plan_of(files: list[tuple[HsJournalEntry, Path, Path]]) -> list[tuple[int, int, int]]:
+    """The finalize plan of ``written_files``' renames: (position, shard, local index) of hs_0, hs_1, ..."""
+    return [(e.position, e.shard, e.local_index) for e, _, _ in files]  # type: ignore[attr-defined]
+
+
+def undo_plan(dd: DataDir, plan: list[tuple[int, int, int]]) -> None:
+    """Put every file an earlier finalize renamed by ``plan`` back into its shard, then delete the plan. Needed
+    before renaming by another plan (a sample left open is now written: every later hs_{i} moves by one), which
+    would otherwise take a file that is already in place for the one it replaces. Idempotent: an interrupted undo is
+    finished by the next run (the plan goes last)."""
+    moved = 0
+    for g, (_, shard, local_index) in enumerate(plan):
+        src, dst = dd.hs_shard_file(shard, local_index), dd.hs_file(g)
         if dst.exists() and not src.exists():
             os.replace(dst, src)
+            moved += 1
+    log.info("%s: %d files put back into their shards by the finalize plan of %d samples, to be renumbered",
+             dd.hs_files, moved, len(plan))
+    dd.hs_finalize_plan.unlink()
+
+
+def check_moved_files(dd: DataDir, rows, files: list[tuple[HsJournalEntry, Path, Path]]) -> None:
+    """Files already in hidden_states/ with no finalize plan saying how they got there (an output of an eagle3pipe
+    before the plan existed, interrupted in finalize): each must hold its row's token ids, else the stage stops,
+    naming the file (a finalize of that version renumbered around a sample left open: its files are mis-paired)."""
+    for e, src, dst in files:
+        if src.exists() or not dst.exists():
+            continue
+        token_ids = read_hidden_states_header(dst)[0]
+        if token_ids != rows[e.position].input_ids:
+            raise StageError(
+                f"{dst} holds other token ids than row {e.id} (line {e.position + 1}), the row it stands for: an "
+                "earlier eagle3pipe's finalize was interrupted after it numbered the files without a sample left "
+                f"open, so the files of {dd.hs_files} are not paired with their rows. Rerun with --overwrite to "
+                "extract them again")
+
+
+def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
+    """Undo a finish that left samples open (within --max-error-share) so this run retries them: the manifest goes
+    (and provenance); the files stay where the finalize plan says, and the next finalize puts them back into their
+    shards by it before renumbering. An output finished before the plan existed gets one from its journals first
+    (they are the ones its finalize renamed from: nothing was journalled since it finished)."""
+    log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
+             dd.hidden_states, manifest.num_retryable)
+    if not dd.hs_finalize_plan.exists():
+        save_hs_finalize_plan(dd.hs_finalize_plan, plan_of(written_files(dd, journal_entries(dd))))
     dd.provenance(dd.hidden_states).unlink(missing_ok=True)
     dd.hs_manifest.unlink()
 
@@ -247,7 +291,10 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     ``open_samples`` ({position: reason}): samples transient failures left open, within --max-error-share: listed
     in errors.jsonl as retryable, counted in ``num_retryable`` (a rerun reopens the output and retries them).
 
-    Idempotent: a file already moved (source gone, target present) is left; a crash here is redone by a rerun."""
+    The renames follow a plan saved before the first of them (``DataDir.hs_finalize_plan``): a rerun with the same
+    journals goes on with it (a file already moved, source gone and target present, is left); one whose journals
+    differ (a sample left open is now written) first puts every file back by the old plan. So an interrupted
+    finalize is redone by a rerun, whatever it retried in between."""
     open_samples = open_samples or {}
     entries = journal_entries(dd)
     missing = [i for i in range(len(rows)) if i not in entries and i not in open_samples]
@@ -257,9 +304,17 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     files = written_files(dd, entries)
     written = [e for e, _, _ in files]
     dropped = [entries[i] for i in sorted(entries) if entries[i].local_index < 0]
+    plan, before = plan_of(files), load_hs_finalize_plan(dd.hs_finalize_plan)
+    if before is not None and before != plan:
+        undo_plan(dd, before)
+        before = None
+    if before is None:
+        check_moved_files(dd, rows, files)
     lost = [f for f in files if not f[1].exists() and not f[2].exists()]
     if lost:  # checked before any rename: the mapping stays that of the journals
         forget_lost_files(dd, lost)
+    if before is None:
+        save_hs_finalize_plan(dd.hs_finalize_plan, plan)  # durable before the first rename
     dd.hs_files.mkdir(parents=True, exist_ok=True)
     for _, src, dst in files:
         if src.exists():
@@ -267,6 +322,9 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     for stale in dd.hs_files.glob("hs_*.safetensors"):
         if int(stale.stem[3:]) >= len(written):
             stale.unlink()
+    for shard_dir in dd.hs_work.glob("shard_*"):  # late writes of requests the vLLM client gave up on
+        for junk in filter(is_hs_attempt_file, shard_dir.iterdir()):
+            junk.unlink(missing_ok=True)
     save_hs_rows(dd.hidden_states, [(rows[e.position].input_ids, rows[e.position].loss_mask) for e in written])
     listed = [(e.position, e.reason, e.id) for e in dropped]
     listed += [(i, f"retryable: {reason} (a rerun of stage 02 retries it)", rows[i].id)
@@ -282,6 +340,36 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
         num_retryable=len(open_samples),
     )
     save_hs_manifest(dd.hs_manifest, manifest)
+    return manifest
+
+
+def upgrade_manifest(dd: DataDir, manifest: HiddenStatesManifest) -> HiddenStatesManifest:
+    """A finished hidden_states/ of an older format (``records.HS_FORMAT_VERSION``: format 1 was written before each
+    sample file carried its layer ids): every file's metadata is read (headers only) and checked against the
+    manifest; when all carry it, the manifest is rewritten in the current format and nothing is extracted again;
+    one file without it stops the stage, naming it and --overwrite (nothing can tell which layers it holds, and
+    stage 04 would stop at it mid-run)."""
+    old = manifest.format_version
+    log.info("%s: format %d: checking the layer ids of its %d files before upgrading it to format %d",
+             dd.hidden_states, old, manifest.num_samples, HS_FORMAT_VERSION)
+    for i in range(manifest.num_samples):
+        path = dd.hs_file(i)
+        try:
+            metadata = read_hidden_states_header(path)[3]
+            if HS_META_LAYER_IDS not in metadata:
+                raise FormatError(f"{path}: no layer ids in its metadata (hidden_states/ of format {old}, written by "
+                                  "an eagle3pipe before each file recorded which layers it holds)")
+            finite = check_hs_file_metadata(path, metadata, manifest.aux_layer_ids, manifest.num_layers)
+        except FormatError as e:
+            raise StageError(f"{e}: nothing can check what it holds; rerun with --overwrite to extract "
+                             f"{dd.hidden_states} again") from None
+        if not finite:
+            raise StageError(f"{path}: its metadata says its states hold NaN/Inf: rerun with --overwrite to extract "
+                             f"{dd.hidden_states} again")
+    manifest.format_version = HS_FORMAT_VERSION
+    save_hs_manifest(dd.hs_manifest, manifest)
+    log.info("%s: every file carries the layer ids the manifest names: upgraded to format %d", dd.hidden_states,
+             HS_FORMAT_VERSION)
     return manifest
 
 
@@ -359,7 +447,7 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
 
     identity = output_identity(cfg, src)
     config_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    manifest = load_hs_manifest(dd.hs_manifest)
+    manifest = load_hs_manifest(dd.hs_manifest, any_version=True)
     run_file = dd.hs_run
     run_before = json.loads(run_file.read_text()) if run_file.exists() else None
     previous = run_before["config_hash"] if run_before else None
@@ -373,6 +461,14 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
         log.warning("--overwrite: deleting hidden states of config %s in %s", previous, dd.hidden_states)
         remove_outputs(dd)
         manifest = None
+    if manifest is not None and manifest.format_version < HS_FORMAT_VERSION:
+        if ex.overwrite:
+            log.warning("--overwrite: deleting hidden states of format %d in %s", manifest.format_version,
+                        dd.hidden_states)
+            remove_outputs(dd)
+            manifest = None
+        else:
+            manifest = upgrade_manifest(dd, manifest)
     if manifest is not None and manifest.num_retryable:
         reopen(dd, manifest)
         manifest = None

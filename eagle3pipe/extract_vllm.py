@@ -15,10 +15,14 @@ repeatable: samples are spread over the ones that answer, ``server.ServerPool``,
    per server, each server checked on its own), the verifier's final norm and lm_head applied to the stored final
    state must predict the same next token (top-1) as the server's own ``prompt_logprobs`` in >=
    ``extract.verify_min_agreement`` of the positions, else the stage stops with the figures (a wrong final layer or a
-   wrong model shows here; top-1 alone hid a subtly wrong capture at 96%);
+   wrong model shows here; top-1 alone hid a subtly wrong capture at 96%). A server that joins later (down at the
+   start, or set aside and answering again: perhaps restarted with other weights under the same name) gets the same
+   check alone before any other sample (``Extractor.check_server``, the pool's ``admit``);
 3. sends every other sample (``/v1/completions``, the row's ids as the prompt, ``max_tokens`` 1), bounded
-   concurrency, timeouts, retries with backoff; waits for the file's lock, checks it (``check_file``: the layer ids
-   the connector wrote into its metadata, dtype, token ids, shape, finite flag), journals it.
+   concurrency, timeouts, retries with backoff; each attempt names a file of its own (``records.hs_attempt_file``:
+   vLLM's connector also writes the file of a request the client aborted, late); waits for its lock, checks it
+   (``check_file``: the layer ids the connector wrote into its metadata, dtype, token ids, shape, finite flag),
+   renames it to the sample's name only then, journals it. Files of attempts given up on are deleted.
 
 What a failure becomes: a server set up otherwise than the config (other layer ids, dtype, storage folder, not our
 connector) stops the stage at once; a file whose content is wrong (other token ids or shape, non-finite states) is
@@ -36,9 +40,11 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2  # the HTTP library the openai client is built on
@@ -53,6 +59,7 @@ from .records import (
     HsJournalEntry,
     JsonlAppender,
     check_hs_file_metadata,
+    hs_attempt_file,
     hs_layer_ids,
     load_hidden_states,
     read_hidden_states_header,
@@ -61,6 +68,7 @@ from .server import (
     API_KEY_ENV,
     REPO_ROOT,
     NoServerAnswers,
+    NotAdmittedYet,
     RequestFailure,
     ServerPool,
     VllmServer,
@@ -79,6 +87,7 @@ CONNECTOR_MODULE = "eagle3pipe.vllm_connector"
 LOCK_POLL_S = 0.05  # longest wait between two looks at a file's lock
 VERIFY_TOP_K = 5  # prompt_logprobs asked for in the capture check
 NEAR_TIE_NATS = 0.1  # the check forgives a different top-1 the server ranks within this of its own (bf16 near-ties)
+ABANDONED_SWEEP_S = 30.0  # how often the files of attempts given up on are looked for again (late writes)
 GPU_MEMORY_UTILIZATION = "0.85"  # below vLLM's 0.9: its profiler does not count the connector's per-request copy
 
 Item = tuple[int, str, list[int]]  # (position in the input, row id, input_ids)
@@ -104,7 +113,7 @@ def server_args(cfg: PipelineConfig, storage: Path, num_layers: int, max_model_l
     kv = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(Path(storage).resolve()),
                                         "storage_dtype": cfg.extract.storage_dtype}}
-    user = shlex.split(cfg.extract.server_args)
+    user = list(cfg.extract.server_args)
     args = ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
             "--no-enable-prefix-caching"]
     if not any(a.startswith("--max-model-len") for a in user):
@@ -264,14 +273,84 @@ class Extractor:
     tokens: int = 0
     bytes: int = 0
     retries: int = 0
+    # the files of attempts given up on (a late write may still land there: deleted by sweep_abandoned), and when
+    # they were last swept
+    abandoned: set[Path] = field(default_factory=set)
+    swept_at: float = 0.0
+    # the capture check of a server taken back (check_capture arms it): its samples, the verifier's output head
+    # (loaded at its first use) and the class that loads it
+    check_items: list[Item] = field(default_factory=list)
+    head: object = None
+    head_cls: object = None
 
     async def __aenter__(self) -> "Extractor":
         ex = self.cfg.extract
-        self.pool = ServerPool(self.urls, ex.request_timeout_s, ex.concurrency + 8, flag="--extract-url")
+        # with the capture check on, no server is taken back before it is checked (arm_capture_check)
+        self.pool = ServerPool(self.urls, ex.request_timeout_s, ex.concurrency + 8, flag="--extract-url",
+                               require_admit=ex.verify_tokens > 0)
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.sweep_abandoned()
         await self.pool.close()
+
+    def arm_capture_check(self, items: list[Item], head_cls) -> None:
+        """From now on the pool takes a server back only after ``check_server`` passes on it."""
+        budget, self.check_items = self.cfg.extract.verify_tokens, []
+        for item in items:  # the token budget, at least one sample
+            if budget <= 0 and self.check_items:
+                break
+            self.check_items.append(item)
+            budget -= len(item[2])
+        self.head_cls = head_cls
+        self.pool.admit = self.check_server
+
+    def check_head(self):
+        """The verifier's final norm and lm_head, loaded once."""
+        if self.head is None:
+            self.head = self.head_cls(self.cfg.shared.verifier, self.cfg.shared.trust_remote_code)
+        return self.head
+
+    async def check_server(self, idx: int) -> None:
+        """The capture check on server ``idx`` alone (the pool's ``admit``: before a server down at the start, or
+        set aside and answering again, gets a bulk request): the check samples extracted again on it, into a folder
+        of their own (deleted after, never journalled), compared with its own prompt_logprobs. StageError when it
+        disagrees (the stage stops; nothing of the bulk run was sent to it), NotAdmittedYet when a sample could not
+        be extracted (it stays aside and is probed again)."""
+        base = self.out_dir if self.out_dir is not None else self.dd.hs_shard(self.shard)
+        folder = base / f"capture_check_{idx}_{uuid.uuid4().hex[:8]}"
+        paths = [(folder / f"hs_{k}.safetensors").resolve() for k in range(len(self.check_items))]
+        try:
+            outcomes = await asyncio.gather(*[self.one(item, k, prompt_logprobs=True, server=idx, path=path)
+                                              for k, (item, path) in enumerate(zip(self.check_items, paths))])
+            for item, outcome in zip(self.check_items, outcomes):
+                if outcome.entry is None:
+                    raise NotAdmittedYet(f"row {item[1]}: {outcome.failure.kind}: {outcome.failure.message}")
+            figures = capture_figures(outcomes, paths, self.check_head(), [idx])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        failed = capture_check_failed(self, figures, len(paths), f", {self.urls[idx]} checked alone as it joined "
+                                      "(down at the start, or set aside and answering again: restarted with other "
+                                      "weights?); nothing of the bulk run was sent to it")
+        if failed is not None:
+            raise failed
+        exact, near, total = figures[idx]
+        log.info("capture check of %s before it gets samples: the stored final states predict its top-1 next token "
+                 "at %.2f%% of %d positions (%.2f%% exactly)", self.urls[idx], 100 * near / max(total, 1), total,
+                 100 * exact / max(total, 1))
+
+    def abandon(self, attempt_file: Path) -> None:
+        """An attempt given up on (no reply in time, its file failed its check): its file goes now, and again at each
+        sweep, since vLLM's connector also writes the file of a request the client aborted."""
+        remove_sample_files(attempt_file)
+        self.abandoned.add(attempt_file)
+
+    def sweep_abandoned(self) -> None:
+        """Delete what late writes left at the abandoned attempts' names (stage 02's finalize and 04 online's spool
+        clean-up catch any that land after the last sweep)."""
+        for attempt_file in self.abandoned:
+            remove_sample_files(attempt_file)
+        self.swept_at = time.monotonic()
 
     def sample_file(self, local_index: int) -> Path:
         folder = self.out_dir if self.out_dir is not None else self.dd.hs_shard(self.shard)
@@ -302,21 +381,25 @@ class Extractor:
                   server: int | None = None, path: Path | None = None) -> Outcome:
         """Request, wait, check one sample; retries included; on ``server`` (an index of ``urls``) when given (the
         capture check), else on the one picked; into ``path`` when given (04 online's spool), else
-        ``sample_file(local_index)``. The journal line is the caller's to write."""
+        ``sample_file(local_index)``. Each attempt asks the server for a file of its own (``hs_attempt_file``),
+        checks it there and only then renames it to the sample's path: an attempt given up on may still be written
+        late (vLLM's connector saves aborted requests too), onto its own name, which is deleted (``abandon``) and
+        never read. The journal line is the caller's to write."""
         ex = self.cfg.extract
         position, row_id, ids = item
-        path = Path(path).resolve() if path is not None else self.sample_file(local_index)
+        final = Path(path).resolve() if path is not None else self.sample_file(local_index)
+        remove_sample_files(final)
         failure = error = None  # error: the last attempt's exception (None: a bad file), for the pool's wait
         for attempt in range(1 + ex.max_retries):
             if attempt:
                 self.retries += 1
                 await self.pool.wait_to_retry(backoff_delay_s(attempt - 1, ex.retry_backoff_s), error)
-            remove_sample_files(path)
             try:
                 idx = self.pool.acquire(server)
             except NoServerAnswers as e:
                 failure, error = classify_request_error(e, ex.request_timeout_s), e
                 continue
+            path = hs_attempt_file(final, attempt, uuid.uuid4().hex[:12])
             try:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
                 written = Path((reply.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
@@ -328,18 +411,22 @@ class Extractor:
                 size, finite = check_file(path, ids, self.cfg.shared.aux_layer_ids, self.num_layers,
                                           self.hidden_size, ex.storage_dtype)
             except BadSample as e:
+                self.abandon(path)
                 if e.kind == "config":
                     raise StageError(f"{self.urls[idx]}: {e}") from None
                 failure, error = RequestFailure(e.kind, str(e), True), None
             except Exception as e:
+                self.abandon(path)
                 failure, error = classify_request_error(e, ex.request_timeout_s), e
                 if failure is None:
                     raise
                 self.pool.report_failure(idx, e)
             else:
-                Path(f"{path}.lock").unlink(missing_ok=True)  # vLLM never deletes its lock files
+                if finite:
+                    os.replace(path, final)  # checked: the sample's own name
+                remove_sample_files(path)  # vLLM never deletes its lock files
+                self._sweep_now_and_then()
                 if not finite:
-                    path.unlink()
                     log.warning("row %s (line %d): non-finite hidden states: skipped, listed in errors.jsonl",
                                 row_id, position + 1)
                     return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
@@ -352,12 +439,16 @@ class Extractor:
             if not failure.retryable:
                 break
             log.debug("%s: %s (attempt %d): %s", row_id, failure.kind, attempt + 1, failure.message)
-        remove_sample_files(path)
+        self._sweep_now_and_then()
         if failure.kind == BadSample.PERMANENT:  # the server answers, but not with this row's states: listed for good
             log.warning("row %s (line %d): dropped, listed in errors.jsonl: %s", row_id, position + 1, failure.message)
             return Outcome(HsJournalEntry(position, row_id, -1, len(ids), 0,
                                           reason=f"file check failed {1 + ex.max_retries} times: {failure.message}"))
         return Outcome(None, failure)
+
+    def _sweep_now_and_then(self) -> None:
+        if self.abandoned and time.monotonic() - self.swept_at > ABANDONED_SWEEP_S:
+            self.sweep_abandoned()
 
     def record(self, outcome: Outcome) -> None:
         e = outcome.entry
@@ -396,43 +487,63 @@ class Extractor:
 # The check before the bulk run
 
 
+def capture_figures(outcomes: list[Outcome], paths: list[Path], head, servers: list[int]) -> dict[int, list[int]]:
+    """{server: [positions whose top-1 is the server's, ... within NEAR_TIE_NATS, positions compared]} of the
+    check samples' files (``paths``): the verifier's final norm and lm_head (``head``) applied to each stored final
+    state at t against the server's own top tokens after t. Every server of ``servers`` is listed (a server whose
+    samples were all dropped compares nothing, and so fails)."""
+    figures = {idx: [0, 0, 0] for idx in servers}
+    for outcome, path in zip(outcomes, paths):
+        if outcome.entry is None or outcome.entry.local_index < 0:
+            continue
+        states = load_hidden_states(path)["hidden_states"]
+        ours = head.top1(states[:-1, -1]).tolist()  # final state at t predicts the token after t
+        e, n = top1_agreement(ours, outcome.server_top)
+        f = figures.setdefault(outcome.server, [0, 0, 0])
+        f[0], f[1], f[2] = f[0] + e, f[1] + n, f[2] + len(ours)
+    return figures
+
+
+def capture_check_failed(ex: Extractor, figures: dict[int, list[int]], samples: int, what: str) -> StageError | None:
+    """The stage's stop when a server's agreement in ``figures`` is below ``verify_min_agreement`` (None: all
+    pass). ``what``: which run of the check, and what was not sent."""
+    need = ex.cfg.extract.verify_min_agreement
+    failed = {idx: f for idx, f in figures.items() if f[1] / max(f[2], 1) < need}
+    if not failed:
+        return None
+    where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions "
+                      f"({exact / max(total, 1):.1%} exactly)" for idx, (exact, near, total) in failed.items())
+    return StageError(
+        f"capture check failed: the verifier's final norm and lm_head applied to the stored final states predict "
+        f"the server's own top-1 next token at {where}, near-ties within {NEAR_TIE_NATS} nats counted ({samples} "
+        f"samples over {len(figures)} servers{what}; needed {need:.0%}). The states are not the ones the server "
+        f"computes: check the server's eagle_aux_hidden_state_layer_ids (the last must be the layer count, "
+        f"{layer_ids(ex.cfg.shared.aux_layer_ids, ex.num_layers)} here) and that --verifier is the served model.")
+
+
 async def verify_capture(ex: Extractor, items: list[Item], first_local: int, head) -> tuple[float, float, int]:
     """Extract ``items`` with prompt_logprobs, item k on the k-th answering server, round robin (every server that
-    answers is checked when there are at least as many items), and compare the next-token top-1 of the stored final states with that server's.
-    Returns (exact agreement, agreement counting near-ties, positions compared) over all servers; stops when any
-    server's agreement is below ``verify_min_agreement``; journals the samples only when every server passes.
-    Near-ties: bf16 on the server, fp32 here from bf16-stored states, so a token the server ranks within
-    NEAR_TIE_NATS of its best is no evidence of a wrong capture; a wrong layer is far off."""
+    answers is checked when there are at least as many items), and compare the next-token top-1 of the stored final
+    states with that server's (``capture_figures``). Returns (exact agreement, agreement counting near-ties,
+    positions compared) over all servers; stops when any server's agreement is below ``verify_min_agreement``;
+    journals the samples only when every server passes. Near-ties: bf16 on the server, fp32 here from bf16-stored
+    states, so a token the server ranks within NEAR_TIE_NATS of its best is no evidence of a wrong capture; a wrong
+    layer is far off."""
     live = ex.pool.live()
     outcomes = await asyncio.gather(*[ex.one(item, first_local + k, prompt_logprobs=True, server=live[k % len(live)])
                                       for k, item in enumerate(items)])
-    figures = {idx: [0, 0, 0] for idx in live[:len(items)]}  # server: [exact, near, positions]
     for item, outcome in zip(items, outcomes):
         if outcome.entry is None:
             raise StageError(f"the capture check could not extract row {item[1]}: {outcome.failure.kind}: "
                              f"{outcome.failure.message}")
-        if outcome.entry.local_index < 0:
-            continue
-        states = load_hidden_states(ex.sample_file(outcome.entry.local_index))["hidden_states"]
-        ours = head.top1(states[:-1, -1]).tolist()  # final state at t predicts the token after t
-        e, n = top1_agreement(ours, outcome.server_top)
-        f = figures[outcome.server]
-        f[0], f[1], f[2] = f[0] + e, f[1] + n, f[2] + len(ours)
-    need = ex.cfg.extract.verify_min_agreement
-    failed = {idx: f for idx, f in figures.items() if f[1] / max(f[2], 1) < need}
-    if failed:
-        for outcome in outcomes:
-            if outcome.entry is not None and outcome.entry.local_index >= 0:
-                remove_sample_files(ex.sample_file(outcome.entry.local_index))
-        where = "; ".join(f"{ex.urls[idx]}: {near / max(total, 1):.1%} of {total} positions "
-                          f"({exact / max(total, 1):.1%} exactly)" for idx, (exact, near, total) in failed.items())
-        raise StageError(
-            f"capture check failed: the verifier's final norm and lm_head applied to the stored final states predict "
-            f"the server's own top-1 next token at {where}, near-ties within {NEAR_TIE_NATS} nats counted "
-            f"({len(items)} samples over {len(figures)} servers; needed {need:.0%}). The states are not the ones the "
-            f"server computes: check the server's eagle_aux_hidden_state_layer_ids (the last must be the layer count, "
-            f"{layer_ids(ex.cfg.shared.aux_layer_ids, ex.num_layers)} here) and that --verifier is the served "
-            "model. Nothing of the bulk run was sent.")
+    paths = [ex.sample_file(first_local + k) for k in range(len(items))]
+    figures = capture_figures(outcomes, paths, head, live[:len(items)])
+    failed = capture_check_failed(ex, figures, len(items), ". Nothing of the bulk run was sent")
+    if failed is not None:
+        for outcome, path in zip(outcomes, paths):
+            if outcome.entry.local_index >= 0:
+                remove_sample_files(path)
+        raise failed
     for outcome in outcomes:
         ex.record(outcome)
     exact, near, total = (sum(f[i] for f in figures.values()) for i in range(3))
@@ -498,9 +609,14 @@ async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, jo
         return await ex.run(items, local)
 
 
-async def check_capture(ex: Extractor, items: list[Item], first_local: int, head_cls) -> list[Item]:
+async def check_capture(ex: Extractor, items: list[Item], first_local: int, head_cls,
+                        now: bool = True) -> list[Item]:
     """The capture check (``verify_capture``) on the first of ``items``: ``extract.verify_tokens`` tokens and at
-    least one sample per server. Returns the samples checked (their files written and journalled)."""
+    least one sample per server; a server left without one (fewer samples than servers) is checked alone
+    (``Extractor.check_server``). From then on every server the pool takes back (down at the start, or set aside
+    and answering again: perhaps restarted with other weights) is checked alone before it gets a bulk request.
+    ``now`` False arms only that (04 online's ranks but the first: rank 0 checks the servers at the start). Returns
+    the samples checked now (their files written and journalled)."""
     cfg = ex.cfg
     first, budget = [], cfg.extract.verify_tokens
     for item in items:
@@ -508,11 +624,18 @@ async def check_capture(ex: Extractor, items: list[Item], first_local: int, head
             break
         first.append(item)
         budget -= len(item[2])
-    head = head_cls(cfg.shared.verifier, cfg.shared.trust_remote_code)
-    exact, agreement, positions = await verify_capture(ex, first, first_local, head)
+    ex.arm_capture_check(first, head_cls)
+    if not now:
+        return []
+    exact, agreement, positions = await verify_capture(ex, first, first_local, ex.check_head())
     log.info("capture check: the stored final states predict the server's top-1 next token at %.2f%% of %d "
              "positions (%.2f%% exactly; %d samples over %d servers)", 100 * agreement, positions,
              100 * exact, len(first), min(len(first), len(ex.urls)))
+    for idx in ex.pool.live()[len(first):]:
+        try:
+            await ex.check_server(idx)
+        except NotAdmittedYet as e:
+            ex.pool.set_aside(idx, f"its capture check could not finish: {e}")  # checked when taken back
     return first
 
 

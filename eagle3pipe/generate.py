@@ -31,7 +31,6 @@ import datetime as _dt
 import hashlib
 import json
 import logging
-import shlex
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -250,7 +249,7 @@ def own_server(cfg: PipelineConfig, dd: DataDir, needed: bool):
         cpu = probe_vllm(python).platform == "cpu"
     except ServerError as e:
         raise StageError(str(e)) from None
-    server = VllmServer(cfg.shared.verifier, extra_args=shlex.split(g.server_args),
+    server = VllmServer(cfg.shared.verifier, extra_args=g.server_args,
                         served_model_name=g.served_model_name or None, log_file=dd.logs / "01b_vllm_server.log",
                         python=python, enforce_eager=cpu, kv_cache_gib=1 if cpu else None, gpu_memory_check=not cpu,
                         startup_timeout_s=g.server_start_timeout_s, trust_remote_code=cfg.shared.trust_remote_code)

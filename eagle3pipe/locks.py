@@ -56,7 +56,7 @@ def _pid_start(pid: int) -> str:
     return fields[19] if fields else ""  # field 22 of stat(5), "starttime"
 
 
-def _holder_alive(holder: LockHolder) -> bool:
+def holder_alive(holder: LockHolder) -> bool:
     """Whether the holder (on this host) still runs: the pid exists, is no zombie, and started when the holder did."""
     try:
         os.kill(holder.pid, 0)
@@ -108,7 +108,7 @@ class StageLock:
                 raise StageLockedError(
                     f"stage {self.stage} is locked by another copy ({other.describe()}); it runs on another host, "
                     f"so this one cannot check it: wait for it, or delete {self.path} if no copy runs there")
-            if other is not None and _holder_alive(other):
+            if other is not None and holder_alive(other):
                 raise StageLockedError(
                     f"stage {self.stage} is already running in this data dir ({other.describe()}). Two copies "
                     f"would write the same files: wait for it to finish, or stop it (kill {other.pid}) and rerun "

@@ -9,6 +9,7 @@ is a terminal; under nohup (no TTY) it is a plain line every ``every_s`` seconds
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,24 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+# what ``Progress.line`` prints (after the log record's "DATE TIME LEVEL logger: " prefix); ``parse_line`` reads it back
+PROGRESS_LINE = re.compile(r"(?P<desc>[^:]+): (?P<done>\d+)/(?P<total>\d+) \((?P<errors>\d+) errors\), "
+                           r"(?P<rate>[\d.]+) (?P<unit>\S+)/s(?P<extra>.*), "
+                           r"elapsed: (?P<elapsed>\d+)s, eta: (?P<eta>\S+)$")
+
+
+def parse_line(message: str) -> dict | None:
+    """The fields of a progress line (``Progress.line``'s text; a log line's prefix is skipped), or None."""
+    if " INFO " in message[:40]:  # a log record: "2026-12-02 10:00:00 INFO eagle3pipe.progress: Progress: ..."
+        message = message.split(" INFO ", 1)[1].split(": ", 1)[-1]
+    m = PROGRESS_LINE.match(message.strip())
+    if m is None:
+        return None
+    d = m.groupdict()
+    return {"desc": d["desc"], "done": int(d["done"]), "total": int(d["total"]), "errors": int(d["errors"]),
+            "rate": float(d["rate"]), "unit": d["unit"], "elapsed_s": int(d["elapsed"]), "eta": d["eta"]}
+
+
 class Progress:
     """Counts done/errors against a total and reports rate, extra fields, elapsed and eta.
 
@@ -58,8 +77,10 @@ class Progress:
 
     def __init__(self, total: int, *, unit: str = "samples", rate_unit: str | None = None, every_s: float = 30.0,
                  logger: logging.Logger | None = None, initial: int = 0, desc: str = "Progress",
-                 use_tty: bool | None = None):
+                 use_tty: bool | None = None, errors_label: str = "errors", show_zero_errors: bool = True):
         self.total = total
+        self.errors_label = errors_label  # what ``errors`` counts, as the line names it (04: "skipped samples")
+        self.show_zero_errors = show_zero_errors  # False: the count appears only once there is one
         self.unit = unit
         self.rate_unit = rate_unit or unit
         self.every_s = every_s
@@ -98,8 +119,11 @@ class Progress:
         elapsed = time.monotonic() - self.start
         return (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
 
+    def _errors(self) -> str:
+        return f"{self.errors} {self.errors_label}" if self.errors or self.show_zero_errors else ""
+
     def _postfix(self) -> str:
-        parts = [f"{self.errors} errors"] + [f"{k}: {v}" for k, v in self.fields.items()]
+        parts = [self._errors()] * bool(self._errors()) + [f"{k}: {v}" for k, v in self.fields.items()]
         return ", ".join(parts)
 
     def line(self) -> str:
@@ -109,7 +133,8 @@ class Progress:
         eta = format_duration(remaining / rate) if rate > 0 else "?"
         extra = "".join(f", {k}: {v}" for k, v in self.fields.items())
         return (
-            f"{self.desc}: {self.done}/{self.total} ({self.errors} errors), {rate:.1f} {self.rate_unit}/s{extra}, "
+            f"{self.desc}: {self.done}/{self.total}{f' ({self._errors()})' if self._errors() else ''}, "
+            f"{rate:.1f} {self.rate_unit}/s{extra}, "
             f"elapsed: {int(elapsed)}s, eta: {eta}"
         )
 

@@ -8,7 +8,8 @@ Writer and reader of each file import this module, so a format is defined exactl
                     (written only when 01b finished)  run.json (01b's sampling settings, written at its start)
       hidden_states/  speculators-readable dataset + per-sample safetensors + manifest.json (see extract section)
       vocab/        draft vocabulary: counts, d2t, t2d (see vocab section)
-      checkpoints/  step_N/ training checkpoints, final/ exported draft
+      checkpoints/  step_N/ training checkpoints, final/ exported draft, metrics.jsonl, skipped.jsonl
+                    (SkippedSample), run.json, provenance.json
       eval/         report.json, report.md, acceptance.png
       logs/         <stage>.log, one per stage, appended
       locks/        <stage>.lock while a stage runs (StageLock: pid, host, start, command)
@@ -132,6 +133,11 @@ class DataDir:
     def hs_shard_journal(self, shard: int) -> Path:
         return self.hs_shard(shard) / "done.jsonl"
 
+    @property
+    def hs_finalize_plan(self) -> Path:
+        """Which shard file becomes which hs_{i}: written before finalize's first rename (``save_hs_finalize_plan``)."""
+        return self.hs_work / "finalize.json"
+
     # stage 04 online (train.data_source: online): the states of the next rows only. Inside hs_work because the
     # extraction servers' connector writes only inside its storage folder (hs_work, or a folder above it)
     @property
@@ -146,17 +152,29 @@ class DataDir:
     def train_spool_rank(self, rank: int) -> Path:
         return self.train_spool / f"rank_{rank}"
 
+    def train_spool_rank_folders(self) -> list[Path]:
+        """The rank folders on disk: this job's, and any an earlier job with more ranks left."""
+        return sorted(p for p in self.train_spool.glob("rank_*") if p.is_dir())
+
     def train_spool_slot(self, rank: int, epoch: int, slot: int) -> Path:
         """The files hs_{i} (i = row index in train_spool_rows) of one packed row of the rank's epoch plan."""
         return self.train_spool_rank(rank) / f"epoch_{epoch}_row_{slot}"
 
-    def train_spool_eval_slot(self, rank: int, epoch: int, slot: int) -> Path:
-        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after ``epoch``."""
-        return self.train_spool_rank(rank) / f"epoch_{epoch}_eval_{slot}"
+    def train_spool_eval_slot(self, rank: int, step: int, slot: int) -> Path:
+        """The files hs_{i} of one packed row of the rank's held-out rows, for the evaluation after optimizer step
+        ``step`` (several an epoch with train.eval_every_steps)."""
+        return self.train_spool_rank(rank) / f"step_{step}_eval_{slot}"
 
-    def train_spool_cache(self, rank: int) -> Path:
-        """train.cache_gb: the files hs_{i} of epoch 1 kept for later epochs (each checked again when reused)."""
-        return self.train_spool_rank(rank) / "cache"
+    @property
+    def train_spool_cache(self) -> Path:
+        """train.cache_gb: the files hs_{i} kept for later epochs, one folder for every rank (each file extracted by
+        one rank, its owner, and linked by any rank that reads it later, after checking it again)."""
+        return self.train_spool / "cache"
+
+    def train_spool_cache_word(self, file_index: int) -> Path:
+        """The owner's word on cached file ``file_index`` for the other ranks: {"bytes": n} once written and checked,
+        {"failed": reason} when it could not be."""
+        return self.train_spool_cache / f"hs_{file_index}.word.json"
 
     @property
     def train_online_errors(self) -> Path:
@@ -195,6 +213,12 @@ class DataDir:
         return self.checkpoints / "metrics.jsonl"
 
     @property
+    def train_skipped(self) -> Path:
+        """Samples stage 04 trained or evaluated without because their states file failed a read check (one
+        SkippedSample line each)."""
+        return self.checkpoints / "skipped.jsonl"
+
+    @property
     def train_run(self) -> Path:
         """Architecture and data of the training run in checkpoints/ (``--resume`` refuses other ones)."""
         return self.checkpoints / "run.json"
@@ -202,6 +226,15 @@ class DataDir:
     @property
     def train_curves(self) -> Path:
         return self.checkpoints / "curves.png"
+
+    @property
+    def train_reports(self) -> Path:
+        """The trackers' own files (train.report_to): tensorboard/ event files, wandb/ runs, wandb_run_id."""
+        return self.checkpoints / "reports"
+
+    def train_export(self, step: int) -> Path:
+        """Where ``04_train.py --export-from step_N`` exports a checkpoint (a draft vLLM serves; final/ is apart)."""
+        return self.checkpoints / f"export_step_{step}"
 
     @property
     def eval(self) -> Path:
@@ -228,6 +261,11 @@ class DataDir:
     # run_all.sh: a stage's done-marker, written only on success, holding the config hash it ran with
     def stage_marker(self, stage: str) -> Path:
         return self.root / "run_all" / f"{stage}.done"
+
+    # run_all.sh: written (the config hash) when it starts a stage, removed once the stage finished; still there on
+    # the next run_all = that stage was interrupted with this config (04 then continues with --resume)
+    def stage_started(self, stage: str) -> Path:
+        return self.root / "run_all" / f"{stage}.started"
 
     # every stage door (cli.run_stage): held while the stage runs, so two copies of a stage never share a data dir
     def stage_lock(self, stage: str) -> Path:
@@ -658,13 +696,23 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         broadcasts; `--hidden-states-backend fp8` dequantises on read).
 #                                         safetensors metadata: layer_ids (the ids above, as captured), num_layers,
 #                                         all_finite (hs_file_metadata; 02 and 04 check them per file)
-#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest)
+#     manifest.json                       written last; its presence means the stage finished (HiddenStatesManifest,
+#                                         format_version HS_FORMAT_VERSION: readers refuse an older one)
 #     errors.jsonl                        samples not written, one DroppedRow each: content that is wrong for good
 #                                         (non-finite states, a file that keeps not holding the row), and samples
 #                                         left open within --max-error-share (reason "retryable: ..."; counted in
 #                                         manifest.num_retryable, a rerun of 02 retries them)
 #     work/shard_{w}/                     during a run: worker w's hs_{k}.safetensors + done.jsonl journal
-#                                         (HsJournalEntry); finalize renames the files into hidden_states/
+#                                         (HsJournalEntry); finalize renames the files into hidden_states/. The
+#                                         vLLM backend's requests write hs_{k}.attempt-{n}-{tag}.safetensors first
+#                                         (hs_attempt_file), renamed to hs_{k} once checked; others are junk
+#     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
+#                                         first rename and kept with the output (an interrupted finalize, or a rerun
+#                                         that retries samples left open, puts every file back by it first)
+
+HS_FORMAT_VERSION = 2  # of hidden_states/ (manifest.json's format_version). 2: every sample file carries
+# hs_file_metadata (layer ids, verifier depth, finite flag), which 02 and 04 check; 1: written before that
+# (eagle3pipe before 2026-12-01 22:32), its files may lack it: 04 refuses it, 02 upgrades it after checking each file
 
 HS_KEY = "hidden_states"  # [T, num_states, H]
 HS_TOKEN_IDS_KEY = "token_ids"  # int64 [T]
@@ -676,6 +724,22 @@ HS_META_LAYER_IDS = "layer_ids"  # JSON list: the ids of the stored states as ca
 HS_META_NUM_LAYERS = "num_layers"  # decoder layers of the verifier that computed them, e.g. "61"
 HS_STORAGE_DTYPES = ("bf16", "fp8")
 HS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+HS_ATTEMPT_INFIX = ".attempt-"  # in the name of a request attempt's file (and its lock): never a sample's own file
+
+
+def hs_attempt_file(final: Path, attempt: int, tag: str) -> Path:
+    """The file one request attempt for ``final`` asks the server to write: a name of its own (``tag``: unique to
+    the attempt), so the late write of an attempt the client gave up on (vLLM's connector also saves aborted
+    requests) never lands on another attempt's checked file, nor on ``final``; renamed to ``final`` once checked."""
+    final = Path(final)
+    return final.with_name(f"{final.stem}{HS_ATTEMPT_INFIX}{attempt}-{tag}{final.suffix}")
+
+
+def is_hs_attempt_file(path: Path) -> bool:
+    """A request attempt's file or lock (``hs_attempt_file``): never read as a sample, deleted when found."""
+    return HS_ATTEMPT_INFIX in Path(path).name
 
 
 HS_FILE_HEADER_BYTES = 320  # upper bound of one sample file's safetensors header (measured: 152-264 B)
@@ -957,7 +1021,7 @@ class HiddenStatesManifest:
     config_hash: str  # hash of the shared + extract config sections that produced this
     states: list[str] = field(default_factory=list)  # what each of the n states is, e.g. "enter layer 2", "final"
     num_retryable: int = 0  # of num_dropped: samples a transient failure left open (a rerun of 02 retries them)
-    format_version: int = FORMAT_VERSION
+    format_version: int = HS_FORMAT_VERSION
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -967,14 +1031,44 @@ def save_hs_manifest(path: Path, manifest: HiddenStatesManifest) -> None:
     atomic_write_json(path, manifest.to_json())
 
 
-def load_hs_manifest(path: Path) -> HiddenStatesManifest | None:
+def load_hs_manifest(path: Path, any_version: bool = False) -> HiddenStatesManifest | None:
+    """The manifest of a finished hidden_states/ (None: not finished). One of an older format (HS_FORMAT_VERSION) is
+    refused, naming stage 02 as the fix; stage 02 itself reads it with ``any_version`` (to upgrade it)."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return HiddenStatesManifest(**json.loads(path.read_text()))
+        manifest = HiddenStatesManifest(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise FormatError(f"{path}: not a hidden-states manifest ({e})") from None
+    if manifest.format_version > HS_FORMAT_VERSION:
+        raise FormatError(f"{path}: hidden states of format {manifest.format_version}, newer than this eagle3pipe "
+                          f"reads ({HS_FORMAT_VERSION}): update eagle3pipe")
+    if manifest.format_version < HS_FORMAT_VERSION and not any_version:
+        raise FormatError(
+            f"{path}: hidden states of format {manifest.format_version}, written before each sample file recorded "
+            f"the layer ids it holds (format {HS_FORMAT_VERSION}), so nothing can check its files: rerun "
+            "02_extract_hidden_states.py with the same settings (it checks every file and upgrades the manifest "
+            "when each carries its layer ids), or with --overwrite to extract them again")
+    return manifest
+
+
+def save_hs_finalize_plan(path: Path, files: list[tuple[int, int, int]]) -> None:
+    """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
+    hs_{i}. Written atomically before the first rename, so a rerun knows where each file went."""
+    atomic_write_bytes(path, json.dumps({"format_version": HS_FORMAT_VERSION, "files": [list(f) for f in files]},
+                                        separators=(",", ":")).encode())
+
+
+def load_hs_finalize_plan(path: Path) -> list[tuple[int, int, int]] | None:
+    """The plan ``save_hs_finalize_plan`` wrote (None: there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return [(int(p), int(s), int(k)) for p, s, k in json.loads(path.read_text())["files"]]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
 
 
 def check_hs_manifest(manifest: HiddenStatesManifest, **expected) -> list[str]:
@@ -1134,11 +1228,15 @@ def load_vocab_summary(path: Path) -> VocabSummary:
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
 #       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
-#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}), per epoch eval ("eval") and per
-#                          epoch the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
+#     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}: means since the line before),
+#                          per held-out evaluation ("eval": after a step, simulated_acceptance_length) and per epoch
+#                          the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
 #     run.json             {"settings": {...}}: draft architecture and data of the run, checked by --resume
-#     curves.png           per-TTT-step loss and accuracy curves, drawn at the end
+#     curves.png           per-TTT-step loss and accuracy curves and the simulated acceptance length, redrawn at
+#                          every evaluation
 #     final/               the exported draft (flat LlamaForCausalLMEagle3, or speculators format)
+#     export_step_{N}/     a step_N checkpoint exported by --export-from (its own provenance.json inside)
+#     reports/             train.report_to's files: tensorboard/ (event files), wandb/ (runs), wandb_run_id
 
 CKPT_MODEL_FILE = "model.safetensors"
 CKPT_OPTIMIZER_FILE = "optimizer.safetensors"
@@ -1207,6 +1305,39 @@ def load_train_checkpoint(folder: Path) -> tuple[dict, dict, dict, TrainingState
     return model_state, {"state": state, "param_groups": groups}, scheduler_state, training_state
 
 
+@dataclass
+class SkippedSample:
+    """A sample stage 04 read and trained (or evaluated) without: its states file failed a read check (states for
+    fewer or more tokens than its token ids, token ids that are not the row's). One line of
+    ``DataDir.train_skipped`` each, written by rank 0 for every rank; counted per epoch against --max-error-share."""
+
+    epoch: int  # 0-based
+    step: int  # the optimizer step (1-based) whose rows held it; held out: the step the evaluation followed
+    file: str  # the states file read
+    index: int  # its row in the rows dataset the file belongs to (hs_{index})
+    reason: str
+    held_out: bool = False  # read for the evaluation after the epoch, not trained
+    rank: int = 0  # the rank that read it
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "") -> "SkippedSample":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise FormatError(f"{where}: not a skipped-sample record ({e})") from None
+
+
+def load_skipped_samples(path: Path) -> list[SkippedSample]:
+    """Every SkippedSample of ``path`` (none when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [SkippedSample.from_json(d, f"{path}:{i}") for i, d in enumerate(read_jsonl(path), 1)]
+
+
 def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     """Complete step_N checkpoint folders, ascending by N (temporary folders are not listed)."""
     out = []
@@ -1232,7 +1363,10 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 #                      runs: {column: {set: {by_concurrency: {level: {requests, completion_tokens, wall_s,
 #                      tokens_per_s, per_request: [{id, completion_tokens, speculative_decoding (vLLM's counters)}],
 #                      server_counters, ...acceptance figures of that pass}}}}},
-#                      with_draft / without_draft: the exported draft / the verifier alone over every set}
+#                      with_draft / without_draft: the exported draft / the verifier alone over every set,
+#                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
+#                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
+#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}]}
 #   eval/report.md     one table per measure: rows = sets, columns = drafts
 #   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
@@ -1278,8 +1412,34 @@ def eval_markdown_table(report: dict) -> str:
         f"Acceptance pools every concurrency level; counted from {'; '.join(sources)}.",
         "",
     ]
+    plat = report.get("platform")
+    if plat:
+        version = plat.get("vllm_version")
+        lines += [f"Platform: vLLM {', '.join(version) if isinstance(version, list) else version} on "
+                  f"{plat.get('device') or plat.get('platform', '?')} ({plat.get('platform', '?')}"
+                  + (f", {plat['device_count']} device(s)" if plat.get("device_count") else "") + "), tensor "
+                  f"parallel {plat.get('tensor_parallel_size', '?')} on servers started here "
+                  f"({plat.get('servers_started_here', '?')} started here, {plat.get('servers_given', 0)} given by "
+                  "URL).", ""]
+    for d in report["drafts"]:
+        prov = d.get("provenance")
+        if prov:
+            lines += [f"Draft `{d['name']}`: trained {prov['trained_steps']} steps, exported step {prov['steps']} "
+                      f"({prov['export']}), {prov['rows_per_step']} packed rows a step, {prov['samples']} samples, "
+                      f"training config hash `{prov['config_hash']}` ({prov['provenance']}).", ""]
     lines += table("Acceptance length (1 + accepted / drafts)", drafts,
                    lambda c, s: fmt(acc[c][s]["acceptance_length"], ".3f"))
+    anchors = report.get("anchors") or []
+    if anchors:
+        lines += [f"### Published acceptance length of public drafts beside ours (their harness, prompts and "
+                  "settings: the same measure, not the same experiment)", "",
+                  "| benchmark | " + " | ".join(f"ours: {c}" for c in drafts) + " | "
+                  + " | ".join(a["draft"] for a in anchors) + " |", "| --- |" + " ---: |" * (len(drafts) + len(anchors))]
+        for s in sets:
+            lines.append("| " + s + " | " + " | ".join(fmt(acc[c][s]["acceptance_length"], ".3f") for c in drafts)
+                         + " | " + " | ".join(fmt(a["acceptance_length"].get(s), ".2f") for a in anchors) + " |")
+        lines += [""] + [f"- {a['draft']}: target {a['target']}; {a['settings']}"
+                         + (f"; {a['note']}" if a.get("note") else "") for a in anchors] + [""]
     lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
                    lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")
     tps, speedup = report["tokens_per_s"], report["speedup"]

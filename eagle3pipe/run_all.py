@@ -4,13 +4,22 @@
 
     python -m eagle3pipe.run_all plan --config FILE [--vllm-url URL]
 
-and gets one tab-separated line per stage: ``name  script  hash  marker  log  config  launcher  extra-flags``
+and gets one tab-separated line per stage: ``name script hash marker started log config launcher resume extra``
 (``launcher``: ``-`` for the plain interpreter, else the module and flags run with ``python -m``: torchrun for 04
-when ``train.nproc_per_node`` resolves to more than one process). A stage's hash covers
+when ``train.nproc_per_node`` resolves to more than one process; ``resume``: ``-``, or the flags that make the
+stage continue an interrupted run). A stage's hash covers
 the config sections it and every stage before it read, so changing an upstream setting re-runs everything after
 it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress_every_s``) is left out, so a demo
 server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
 written only after the stage exited 0.
+
+Continuing an interrupted stage: ``run_all.sh`` writes ``DataDir.stage_started`` (the hash) before it starts a
+stage and removes it once the stage finished. Every stage but 04 resumes when run again with the same config; 04
+refuses to start over an earlier run's checkpoints unless told (``--resume`` or ``--overwrite``). So a 04 that an
+earlier run_all started with this very config and that did not finish (a crash, a kill, a lost node) gets
+``--resume`` from run_all.sh (``RESUME_FLAGS``): the command run_all printed continues it from its newest
+checkpoint, and 04's own checks still refuse checkpoints of other settings or data. A 04 started with another
+config, or after an upstream stage ran again, is not resumed by run_all.
 
 01b runs only when a vLLM URL is configured, or ``generate.server_args`` (01b then starts its own server). Without
 either, 02/03 read ``synthetic/`` if an earlier 01b finished it
@@ -45,6 +54,8 @@ STAGES = [
     ("05_evaluate", "05_*.py", "evaluate"),
 ]
 HASH_EXCLUDED_SHARED = ("vllm_url", "progress_every_s")  # where, not what: do not redo work when these change
+# flags that make a stage continue its interrupted run (the others do so by themselves when run again)
+RESUME_FLAGS = {"04_train": ["--resume"]}
 
 
 def stage_hashes(cfg) -> dict[str, str]:
@@ -139,8 +150,10 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),
-                     "log": str(dd.log_file(stage_log_name(script))), "extra": extra[name], "config": stage_config,
-                     "launcher": train_launcher(cfg) if name == "04_train" else []})
+                     "started": str(dd.stage_started(name)), "log": str(dd.log_file(stage_log_name(script))),
+                     "extra": extra[name], "config": stage_config,
+                     "launcher": train_launcher(cfg) if name == "04_train" else [],
+                     "resume": RESUME_FLAGS.get(name, [])})
     return rows
 
 
@@ -159,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             print(load_config(args.config).shared.data_dir)
             return 0
         for row in plan(args.config, args.vllm_url, Path(args.repo), args.allow_human_answers):
-            print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["log"], row["config"],
-                             " ".join(row["launcher"]) or "-", " ".join(row["extra"])]))
+            print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["started"], row["log"],
+                             row["config"], " ".join(row["launcher"]) or "-", " ".join(row["resume"]) or "-",
+                             " ".join(row["extra"])]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

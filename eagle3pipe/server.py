@@ -14,10 +14,11 @@
   (``shared.vllm_url``); ``api_base`` is the one place that appends it. Every client, and every plain HTTP call here,
   sends ``Authorization: Bearer $VLLM_API_KEY`` when that variable is set (``API_KEY_ENV``: vLLM's own name, so a
   server started here with it in its environment requires it too).
-- ``ServerPool``: the routing of stages 01b and 02 over one or more servers: fewest requests in flight among the
-  servers that answer; a server whose request fails to connect is set aside (logged), probed on ``/health`` with
-  backoff and taken back when it answers; a retry waiting because no server answered is sent at once then
-  (``wait_to_retry``). The stage starts with the servers that answer and stops only when none does.
+- ``ServerPool``: the routing of stages 01b, 02 and 04 online over one or more servers: fewest requests in flight
+  among the servers that answer; a server whose request fails to connect is set aside (logged), probed on
+  ``/health`` with backoff and taken back when it answers, serves the run's model (``/v1/models`` read again) and
+  passes the stage's check (02 and 04 online: the capture check); a retry waiting because no server answered is
+  sent at once then (``wait_to_retry``). The stage starts with the servers that answer and stops only when none does.
 - ``check_gpu_memory``: before a server starts on GPUs, the free memory vLLM will ask for
   (``--gpu-memory-utilization``) must be free on each GPU it uses, else the processes holding it are named
   (``nvidia-smi``); ``VllmServer.start`` runs it where ``nvidia-smi`` exists.
@@ -40,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import httpx2  # the HTTP library the openai client is built on
 
@@ -219,6 +221,11 @@ class NoServerAnswers(Exception):
     when a server is taken back: ``ServerPool.wait_to_retry``)."""
 
 
+class NotAdmittedYet(Exception):
+    """A pool's ``admit`` check could not finish on a server that answers again (it stopped answering, a request
+    failed): the server stays aside and is probed again."""
+
+
 @dataclass
 class ServedModel:
     """What one server's ``/v1/models`` says."""
@@ -240,18 +247,27 @@ def is_connection_failure(error: BaseException) -> bool:
 
 
 class ServerPool:
-    """Requests spread over servers (stages 01b and 02): the server with the fewest requests in flight among those
-    that answer, ties broken at random.
+    """Requests spread over servers (stages 01b, 02 and 04 online): the server with the fewest requests in flight
+    among those that answer, ties broken at random.
 
     A server whose request fails to connect is set aside (a warning names it) and probed on ``/health`` after
-    PROBE_FIRST_S, doubling to PROBE_MAX_S; it is taken back when it answers (and, if it was down from the start,
-    serves ``model``). Set aside, it gets no requests, so one dead node of two no longer takes every pick and retry
-    (it fails in milliseconds and so always had the fewest in flight). ``open()`` lists every server's model: the
-    stage starts with those that answer and stops when none does. ``acquire()`` raises NoServerAnswers while every
-    server is set aside; ``wait_to_retry`` is the wait of the stages' retries, cut short when a server is taken back.
-    ``flag`` names the setting in messages (``--vllm-url``, ``--extract-url``)."""
+    PROBE_FIRST_S, doubling to PROBE_MAX_S. Set aside, it gets no requests, so one dead node of two no longer takes
+    every pick and retry (it fails in milliseconds and so always had the fewest in flight). When it answers again
+    (or first answers, down since the start), its ``/v1/models`` is read again: it is taken back only if it serves
+    ``model`` with a ``max_model_len`` of at least ``max_model_len`` (the smallest of the servers at ``open``), else
+    it stays aside, named with what it serves now (a node restarted with another model); and only once the stage's
+    ``admit`` check passes on it (02 and 04 online: the capture check, which sees other weights under the same
+    name): until then it gets no bulk request. An ``admit`` that raises StageError stops the stage (``acquire``
+    raises it); NotAdmittedYet leaves the server aside, probed again.
 
-    def __init__(self, urls: list[str], timeout_s: float, max_connections: int, flag: str):
+    ``open()`` lists every server's model: the stage starts with those that answer and stops when none does.
+    ``acquire()`` raises NoServerAnswers while every server is set aside; ``wait_to_retry`` is the wait of the
+    stages' retries, cut short when a server is taken back. ``flag`` names the setting in messages (``--vllm-url``,
+    ``--extract-url``). ``require_admit``: a server answering again waits for ``admit`` to be set (the stage sets it
+    once it knows its check samples) rather than being taken back unchecked."""
+
+    def __init__(self, urls: list[str], timeout_s: float, max_connections: int, flag: str,
+                 require_admit: bool = False):
         self.urls = [u.rstrip("/") for u in urls]
         self.flag = flag
         self.clients = [make_async_client(u, timeout_s, max_connections=max_connections) for u in self.urls]
@@ -259,6 +275,12 @@ class ServerPool:
         self.aside: dict[int, str] = {}  # server index -> why it was set aside
         self.served: dict[int, ServedModel] = {}  # what each server that answered serves
         self.model = ""  # the model every server must serve (set by the stage after open)
+        self.max_model_len = 0  # the smallest max_model_len of the servers at open: a server taken back needs it
+        # the stage's check of a server before it gets bulk requests again (its index); None: none (01b)
+        self.admit: Callable[[int], Awaitable[None]] | None = None
+        self.require_admit = require_admit
+        self.admitting: set[int] = set()  # servers aside whose admit check runs: only its requests reach them
+        self.stopped: BaseException | None = None  # an admit check failed: every acquire raises it
         self._probes: dict[int, asyncio.Task] = {}
         # resolved when _probe takes a server back, then replaced: what wait_to_retry's waiters wait on (a future,
         # not an Event: asyncio.wait on it makes no task, so a waiter cancelled at shutdown is done at once, as a
@@ -311,6 +333,7 @@ class ServerPool:
         await asyncio.gather(*(ask(i) for i in range(len(self.urls))))
         if not self.served:
             raise StageError(f"no server answers: {self.describe_aside()}; start them or fix flag {self.flag}")
+        self.max_model_len = min((m.max_model_len for m in self.served.values() if m.max_model_len), default=0)
         return dict(self.served)
 
     def describe_aside(self) -> str:
@@ -323,9 +346,11 @@ class ServerPool:
     def acquire(self, server: int | None = None) -> int:
         """A server for one request (counted in flight until ``release``): ``server`` when given (a check that must
         reach that one), else the least busy."""
+        if self.stopped is not None:
+            raise self.stopped
         live = self.live()
-        if server is not None:
-            live = [server] if server in live else []
+        if server is not None:  # a check's request: also to a server aside while its admit check runs
+            live = [server] if server in live or server in self.admitting else []
         if not live:
             raise NoServerAnswers(f"no server answers: {self.describe_aside()} (probed on /health; flag {self.flag})")
         low = min(self.in_flight[i] for i in live)
@@ -363,6 +388,21 @@ class ServerPool:
                     self.urls[idx], why, live, len(self.urls))
         self._probes[idx] = asyncio.get_running_loop().create_task(self._probe(idx))
 
+    def _wake_waiters(self) -> None:
+        """Wake the retries waiting for a server (``wait_to_retry``)."""
+        if self._taken_back is not None:
+            self._taken_back.set_result(None)
+            self._taken_back = None
+
+    def _unfit(self, served: ServedModel) -> str | None:
+        """Why a server answering again with ``served`` may not be taken back (None: it may)."""
+        if self.model and served.name != self.model:
+            return f"serves {served.name}, not {self.model}"
+        if self.max_model_len and served.max_model_len and served.max_model_len < self.max_model_len:
+            return (f"max_model_len {served.max_model_len}, less than the {self.max_model_len} the run started "
+                    "with")
+        return None
+
     async def _probe(self, idx: int) -> None:
         import openai
 
@@ -375,20 +415,38 @@ class ServerPool:
             try:
                 if (await self._http.get(self.urls[idx] + "/health", timeout=10.0)).status_code != 200:
                     continue
-                if idx not in self.served:  # down since the start: what does it serve?
-                    self.served[idx] = await self._list_model(idx)
+                served = await self._list_model(idx)  # on every take-back: it may have restarted with another model
             except (httpx2.HTTPError, openai.OpenAIError, StageError):  # not answering yet, or no model yet
                 continue
-            if self.model and self.served[idx].name != self.model:
-                log.error("%s answers again but serves %s, not %s: left aside", self.urls[idx],
-                          self.served[idx].name, self.model)
+            self.served[idx] = served
+            unfit = self._unfit(served)
+            if unfit is not None:
+                if self.aside[idx] != unfit:
+                    log.error("%s answers again but %s: left aside (probed again, flag %s)", self.urls[idx], unfit,
+                              self.flag)
+                    self.aside[idx] = unfit  # what "no server answers" then names
                 delay = PROBE_MAX_S
                 continue
+            if self.require_admit and self.admit is None:
+                continue  # the stage has not set its check yet
+            if self.admit is not None:
+                self.admitting.add(idx)
+                try:
+                    await self.admit(idx)
+                except NotAdmittedYet as e:
+                    log.warning("%s answers again but its check could not finish (%s): left aside, probed again",
+                                self.urls[idx], e)
+                    continue
+                except StageError as e:  # it computes something else than the others: the stage stops
+                    self.stopped = e
+                    self._probes.pop(idx, None)
+                    self._wake_waiters()  # their next acquire raises it
+                    return
+                finally:
+                    self.admitting.discard(idx)
             del self.aside[idx]
             self._probes.pop(idx, None)
-            if self._taken_back is not None:  # wakes the retries waiting for a server (wait_to_retry)
-                self._taken_back.set_result(None)
-                self._taken_back = None
+            self._wake_waiters()
             log.warning("%s answers again: taken back (%d of %d servers in use)", self.urls[idx],
                         len(self.urls) - len(self.aside), len(self.urls))
             return
@@ -637,14 +695,22 @@ class VllmEnvironment:
     platform: str  # "cpu" or "gpu": vLLM's own ``current_platform``
     device_count: int  # accelerators it sees (1 on CPU)
     per_request_spec_metrics: bool  # it knows --per-request-spec-decode-metrics (vLLM 0.32 does)
+    version: str = ""  # vllm.__version__
+    device_name: str = ""  # the platform's name of device 0 ("cpu" on a CPU build, e.g. "NVIDIA H200" on CUDA)
 
 
 _PROBE = """import dataclasses, json
+import vllm
 from vllm.platforms import current_platform as p
 from vllm.engine.arg_utils import EngineArgs
 fields = {f.name for f in dataclasses.fields(EngineArgs)}
+try:
+    device = p.get_device_name(0)
+except Exception:
+    device = ""
 print("EAGLE3PIPE_PROBE " + json.dumps({"cpu": p.is_cpu(), "count": 1 if p.is_cpu() else p.device_count(),
-                                        "prm": "per_request_spec_decode_metrics" in fields}))
+                                        "prm": "per_request_spec_decode_metrics" in fields,
+                                        "version": vllm.__version__, "device": device}))
 """
 
 
@@ -668,7 +734,8 @@ def probe_vllm(python: str | None = None, timeout_s: float = 300.0) -> VllmEnvir
         raise ServerError(f"{python} could not import vLLM to tell its platform (exit {out.returncode}):\n{tail}")
     found = json.loads(lines[-1].split(" ", 1)[1])
     return VllmEnvironment(platform="cpu" if found["cpu"] else "gpu", device_count=int(found["count"]),
-                           per_request_spec_metrics=bool(found["prm"]))
+                           per_request_spec_metrics=bool(found["prm"]), version=found.get("version", ""),
+                           device_name=found.get("device", ""))
 
 
 # The guard: a tiny process, outside both the owner's and the server's process group, holding the read end of a
@@ -737,8 +804,16 @@ class VllmServer:
                  startup_stall_s: float = 300.0, startup_timeout_s: float | None = None, stop_grace_s: float = 20.0,
                  env: dict[str, str] | None = None, tensor_parallel_size: int | None = None,
                  trust_remote_code: bool = False, gpu_memory_check: bool | None = None):
+        from .config import reserved_server_flag
+
         self.model_dir = str(model_dir)
         self.extra_args = list(extra_args)
+        # the address stays loopback and no secret enters the command line we log (the stages refuse these in
+        # server_args at start, naming the key; this guards every other caller)
+        reserved = [a for a in self.extra_args if reserved_server_flag(a)]
+        if reserved:
+            raise ValueError(f"VllmServer extra_args may not set {', '.join(a.split('=')[0] for a in reserved)}: the "
+                             f"server listens on 127.0.0.1 at its own port, and the API key comes from ${API_KEY_ENV}")
         self.served_model_name = served_model_name or self.model_dir  # vLLM's default name is the --model value
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else Path(f"/tmp/vllm-{self.port}.log")

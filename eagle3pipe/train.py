@@ -16,6 +16,17 @@ in torch's ``DistributedDataParallel`` (gradients averaged over ranks once per s
 ``train.grad_accum`` rows accumulate), every rank trains its share of one packing (``rank_rows``), metrics are
 all-reduced, and rank 0 alone touches files (``on_rank0``). A rank that dies is torchrun's to report: its elastic
 agent stops the others and names it.
+
+Every states file is checked as it is read (``train_data``): layer metadata that is not the manifest's stops the run;
+a file whose states are not one row per token id, or whose token ids are not its row's, is trained without, listed
+in checkpoints/skipped.jsonl with its file and reason (``train_metrics.SkippedSamples``: every rank's, written by
+rank 0), counted in the epoch's records; past --max-error-share of an epoch's samples the run checkpoints and stops.
+
+Monitoring (``train_metrics``): each log line holds the means since the line before; a held-out evaluation runs
+every train.eval_every_steps steps (0: after each epoch) and after the last step, with the simulated acceptance
+length, redrawing curves.png; every record also goes to train.report_to's trackers. train.export best exports the
+best evaluation's checkpoint (saved when made, never pruned); --export-from step_N exports any checkpoint beside a
+running training. The recipe (loss by name, AdamW decay and betas, clipping, hidden-state noise) is config.
 """
 
 from __future__ import annotations
@@ -33,25 +44,37 @@ from typing import Callable
 
 import torch
 
-from .cli import StageError
+from .cli import StageError, errors_allowed
 from .config import PipelineConfig
 from .progress import Progress
 from .records import (
     DataDir,
-    JsonlAppender,
+    FormatError,
+    SkippedSample,
     TrainingState,
     list_train_checkpoints,
     load_hs_manifest,
+    load_skipped_samples,
     load_train_checkpoint,
     load_vocab_mapping,
     load_vocab_summary,
     read_jsonl,
+    read_provenance,
     save_train_checkpoint,
     write_jsonl_atomic,
     write_provenance,
 )
 from .train_drafts import draft_family
-from .train_metrics import add_metrics, evaluate_sums, reduce_metrics
+from .train_metrics import (
+    ACCEPTANCE_KEY,
+    MetricsLog,
+    SkippedSamples,
+    add_metrics,
+    best_evaluation,
+    check_trackers,
+    evaluate_sums,
+    reduce_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -333,16 +356,17 @@ def held_out_split(n: int, eval_fraction: float) -> float:
 
 def states_reader(manifest, files: Path, dtype: torch.dtype):
     """(transfer, dataset class, dtype the states are collated in) reading the per-sample files in ``files``: fp8
-    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``."""
-    from speculators.train.data import ArrowDataset
-
+    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``, and a
+    file whose states are not one row per token id or whose token ids are not its row's is skipped and listed
+    (train_data.CheckedArrowDataset). The offline and the online source (spool files) both read through it."""
     if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
         from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
 
         return Fp8KeptTransfer(files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
-    from .train_data import CheckedFileTransfer  # each file's layer ids checked against the manifest
+    # each file's layer ids checked against the manifest, its states length and token ids against its row
+    from .train_data import CheckedArrowDataset, CheckedFileTransfer
 
-    return CheckedFileTransfer(files, manifest), ArrowDataset, dtype
+    return CheckedFileTransfer(files, manifest), CheckedArrowDataset, dtype
 
 
 def _same_checkpoint(a: Path, b: Path) -> bool:
@@ -420,15 +444,14 @@ def train_dtype(device: torch.device) -> torch.dtype:
 
 def make_collate(dataset, cfg: PipelineConfig):
     """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
-    stays e4m3 until train_data.to_device on the device), the draft's layers of those stored, shifted for
-    EAGLE-3 (train_data.DraftStates)."""
-    from speculators.train.data import CollateFn
-
-    from .train_data import DraftStates
+    stays e4m3 until train_data.to_device on the device), the draft's layers of those stored, shifted for EAGLE-3
+    (train_data.DraftStates); the samples the read checks skipped listed in the batch (train_data.ListingCollateFn)."""
+    from .train_data import DraftStates, ListingCollateFn
 
     preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft == "eagle3")
-    return CollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=len(cfg.draft_layer_ids),
-                     dtype=dataset.hidden_states_dtype, preprocess=preprocess)
+    return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size,
+                            num_target_layers=len(cfg.draft_layer_ids), dtype=dataset.hidden_states_dtype,
+                            preprocess=preprocess)
 
 
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
@@ -458,24 +481,40 @@ class EpochPlan:
     epoch: int
     plan: list[tuple[int, bool]]  # rank_rows of the epoch, cut where train.max_steps ends the run
     rows: list[list[int]]  # the packed rows of ``plan``, one per micro-step
-    evaluates: bool  # the epoch ends, so the held-out rows are evaluated after it
+    eval_steps: list[int]  # the run's step counts after which the held-out rows are evaluated (``eval_due``)
     first_step: int  # optimizer steps done (the run's count) when the epoch's first step begins
 
 
-def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: int, accum: int,
-             rank: int) -> list[EpochPlan]:
+def eval_due(step: int, epoch_end: bool, last_step: int, every: int) -> bool:
+    """A held-out evaluation follows optimizer step ``step``: every ``train.eval_every_steps`` steps, or (0) after the
+    last step of each epoch; and after the run's last step (--max-steps may end it inside an epoch), so the weights
+    a run ends with always have a figure. The loop and ``run_plan`` (the online source plans the held-out rows
+    from it) both ask this."""
+    return (step % every == 0 if every else epoch_end) or step == last_step
+
+
+def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: int, accum: int, rank: int,
+             eval_every: int = 0) -> list[EpochPlan]:
     """Every epoch the run trains from ``state`` on, as the loop will train it: the epoch where ``max_steps`` stops
-    the run is cut there and not evaluated (the loop stops at the cap before the evaluation)."""
+    the run is cut there; the evaluations each epoch holds (``eval_due``)."""
+    group = world * accum
+    total = sum(math.ceil(len(b) / group) for b in epoch_batches)
+    last = min(total, max_steps) if max_steps else total
     out, step = [], state.step
     for e in range(state.epoch, len(epoch_batches)):
         rows = epoch_batches[e]
         plan = rank_rows(len(rows), world, accum, rank, state.batches_done if e == state.epoch else 0)
-        steps = len(plan) // accum
-        if max_steps and steps >= max_steps - step:
+        cut = bool(max_steps) and len(plan) // accum >= max_steps - step
+        if cut:
             plan = plan[:max(0, max_steps - step) * accum]
-            out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], False, step))
+        steps = len(plan) // accum
+        epoch_steps = math.ceil(len(rows) / group)
+        start = state.batches_done if e == state.epoch else 0
+        evals = [step + i for i in range(1, steps + 1)
+                 if eval_due(step + i, start + i == epoch_steps, last, eval_every)]
+        out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], evals, step))
+        if cut:
             break
-        out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], True, step))
         step += steps
     return out
 
@@ -487,16 +526,17 @@ class OfflineBatches:
     def __init__(self, loader, sampler: EpochBatches, val_loader=None):
         self.loader, self.sampler, self.val_loader = loader, sampler, val_loader
 
-    def plan(self, epochs: list[EpochPlan]) -> None:
-        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself)."""
+    def plan(self, epochs: list[EpochPlan], every_rank: list[list[EpochPlan]] | None = None) -> None:
+        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself);
+        ``every_rank``: every rank's (online: the cache is planned for the whole job)."""
 
     def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
         self.sampler.set(rows)
         return self.loader
 
-    def evaluation(self, epoch: int):  # noqa: ARG002
-        """The host batches of this rank's held-out rows, for the evaluation after ``epoch``."""
+    def evaluation(self, epoch: int, step: int):  # noqa: ARG002
+        """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step``."""
         return self.val_loader
 
     def stop_reason(self) -> str | None:
@@ -594,17 +634,56 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         for _, path in existing:
             shutil.rmtree(path)
         shutil.rmtree(dd.final_checkpoint, ignore_errors=True)
-        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors):
+        shutil.rmtree(dd.train_reports, ignore_errors=True)
+        for p in dd.checkpoints.glob("export_step_*"):  # --export-from's exports of the run deleted
+            shutil.rmtree(p, ignore_errors=True)
+        for p in (dd.train_metrics, dd.train_curves, dd.train_online_errors, dd.train_skipped):
             p.unlink(missing_ok=True)
     return None
 
 
 ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
+# run.json keys that fix the draft's tensors: --export-from of a checkpoint needs them equal to the config it is given
+DRAFT_SHAPE_KEYS = ("shared.verifier", "shared.aux_layer_ids", "shared.hidden_size", "shared.vocab_size",
+                    "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads", "train.draft_head_dim",
+                    "train.draft_intermediate_size", "vocab (stage 03)", "train.ttt_steps", "train.draft",
+                    "train.draft_layer_ids", "train.dflash")
+
+
+def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
+    """What a checkpoint's position means (run.json's settings): the draft, its data, packing, schedule, split and
+    recipe. ``manifest`` None: the data keys are left out (--export-from compares the draft's keys only)."""
+    dd = DataDir(cfg.data_dir)
+    s, t = cfg.shared, cfg.train
+    return {
+        "shared.verifier": str(Path(s.verifier).resolve()), "shared.aux_layer_ids": list(s.aux_layer_ids),
+        "shared.hidden_size": s.hidden_size, "shared.vocab_size": s.vocab_size,
+        "shared.draft_vocab_size": s.draft_vocab_size,
+        "train.finetune_from": str(Path(t.finetune_from).resolve()) if t.finetune_from else "",
+        "train.draft_num_heads": t.draft_num_heads, "train.draft_head_dim": t.draft_head_dim,
+        "train.draft_intermediate_size": t.draft_intermediate_size,
+        **({"hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens]}
+           if manifest is not None else {}),
+        "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
+        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step, peak rate), the held-out
+        # split, the TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or
+        # (lm_head) does not load the optimizer state at all. The peak rate lives in the optimizer's and scheduler's
+        # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
+        "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
+        "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
+        "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: world * t.grad_accum,
+        # the recipe: the loss, AdamW's decay and betas (the betas also live in the optimizer state a resume loads),
+        # the clipping and the noise; half a run on one recipe and half on another is no run of either
+        "train.loss": t.loss, "train.weight_decay": t.weight_decay, "train.adam_betas": list(t.adam_betas),
+        "train.max_grad_norm": t.max_grad_norm, "train.hidden_noise_std": t.hidden_noise_std,
+        **draft_family(cfg, torch.device("cpu")).identity(),  # the draft family (EAGLE-3, DFlash) and its settings
+    }
 
 
 def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | None, manifest,
                            ranks: Ranks) -> None:
-    """--resume continues the same draft on the same data, packing, schedule and split only. A fresh start records
+    """--resume continues the same draft on the same data, packing, schedule, split and recipe only. A fresh start records
     them in checkpoints/run.json; a resume that changes any is refused naming the keys (rank 0 alone). The same
     rows per step under another world size x grad_accum resumes exactly (the packing does not depend on the
     world size); another number of rows per step is refused naming both."""
@@ -613,24 +692,8 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
     from .records import atomic_write_json
 
     dd = DataDir(cfg.data_dir)
-    s, t = cfg.shared, cfg.train
-    now = {
-        "shared.verifier": str(Path(s.verifier).resolve()), "shared.aux_layer_ids": list(s.aux_layer_ids),
-        "shared.hidden_size": s.hidden_size, "shared.vocab_size": s.vocab_size,
-        "shared.draft_vocab_size": s.draft_vocab_size,
-        "train.finetune_from": str(Path(t.finetune_from).resolve()) if t.finetune_from else "",
-        "train.draft_num_heads": t.draft_num_heads, "train.draft_head_dim": t.draft_head_dim,
-        "train.draft_intermediate_size": t.draft_intermediate_size,
-        "hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens],
-        "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
-        # the packing (seed, row length), the schedule (epochs, warm-up, rows per step), the held-out split, the
-        # TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or (lm_head)
-        # does not load the optimizer state at all
-        "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
-        "train.warmup_ratio": t.warmup_ratio, "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
-        "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: ranks.world * t.grad_accum,
-        **draft_family(cfg, torch.device("cpu")).identity(),  # the draft family and its own settings
-    }
+    t = cfg.train
+    now = run_settings(cfg, manifest, ranks.world)
     layout = f"{ranks.world} x {t.grad_accum}"
     record = json.loads(dd.train_run.read_text()) if dd.train_run.exists() else None
     before = record["settings"] if record else None
@@ -655,16 +718,24 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
     atomic_write_json(dd.train_run, {"settings": now, "layout": layout})
 
 
-def _truncate_metrics(path: Path, state: TrainingState) -> None:
-    """Drop metric lines written after the checkpoint we resume from, so the log reads as one run."""
-    if not path.exists():
-        return
+EPOCH_END_RECORDS = ("rows", "online")  # metrics.jsonl kinds written at an epoch's end (the rest after a step)
+
+
+def _truncate_records(dd: DataDir, state: TrainingState) -> list[SkippedSample]:
+    """Drop the lines of metrics.jsonl and skipped.jsonl written after the checkpoint the run starts from (every
+    line on a fresh start: a run killed before its first checkpoint), so each reads as one run and the steps
+    trained again are listed once; returns the skipped samples kept (rank 0 alone). A step's records (train, and
+    eval: an evaluation runs before the checkpoint of its step is saved) go by step, an epoch's end by epoch."""
     from .records import repair_jsonl
 
-    repair_jsonl(path)
-    keep = [r for r in read_jsonl(path)
-            if (r["kind"] == "train" and r["step"] <= state.step) or (r["kind"] != "train" and r["epoch"] < state.epoch)]
-    write_jsonl_atomic(path, keep)
+    def after_step(r: dict) -> bool:
+        return r["epoch"] < state.epoch if r.get("kind") in EPOCH_END_RECORDS else r["step"] <= state.step
+
+    for path in (dd.train_metrics, dd.train_skipped):
+        if path.exists():
+            repair_jsonl(path)
+            write_jsonl_atomic(path, [r for r in read_jsonl(path) if after_step(r)])
+    return load_skipped_samples(dd.train_skipped)
 
 
 def _checkpoint_bytes(model_state: dict, optimizer_state: dict) -> int:
@@ -684,21 +755,31 @@ def check_free_space(folder: Path, need: int, min_free_gb: float) -> None:
                          "intact (--resume continues from the newest)")
 
 
-def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` step_N checkpoints (0 = keep all) and temporary folders of saves that
-    never finished; final/ is not a step_N folder and is never touched. Returns what was deleted."""
+def prune_checkpoints(checkpoints: Path, keep: int, protect: frozenset[int] = frozenset()) -> list[Path]:
+    """Delete all but the newest ``keep`` step_N checkpoints (0 = keep all) and the steps in ``protect`` (the best
+    evaluation's, train.export best), and temporary folders of saves that never finished; final/ is not a step_N
+    folder and is never touched. Returns what was deleted."""
     gone = [p for p in checkpoints.glob(".step_*.tmp-*") if p.is_dir()]
     existing = list_train_checkpoints(checkpoints)
     if keep:
-        gone += [p for _, p in existing[:-keep]]
+        gone += [p for step, p in existing[:-keep] if step not in protect]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
 
 
+def train_log_name(cfg: PipelineConfig) -> str:
+    """The log and lock name of a 04 run: ``04_export`` for --export-from (it reads a checkpoint beside a running
+    training, which holds ``04_train``'s lock), ``04_train`` otherwise."""
+    return "04_export" if cfg.train.export_from else "04_train"
+
+
 def run_train(cfg: PipelineConfig) -> Path:
-    """Train (or resume), checkpoint, evaluate per epoch, export checkpoints/final/. Returns the export folder.
-    Under torchrun every rank runs this; rank 0 alone writes files (see ``on_rank0``)."""
+    """Train (or resume), checkpoint, evaluate, export checkpoints/final/. Returns the export folder. Under
+    torchrun every rank runs this; rank 0 alone writes files (see ``on_rank0``). With --export-from: export that
+    checkpoint only (``export_checkpoint``)."""
+    if cfg.train.export_from:
+        return export_checkpoint(cfg)
     ranks = job_ranks()
     device = resolve_device(cfg.train.device, ranks)
     if ranks.distributed:
@@ -718,9 +799,33 @@ def run_train(cfg: PipelineConfig) -> Path:
             dist.destroy_process_group()
 
 
-def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
-    from speculators.train.recovery import RECOVERY_METADATA_KEY
+def resolve_loss(cfg: PipelineConfig) -> dict:
+    """speculators' loss config for train.loss (a name or a JSON dict of weights), eager implementation."""
+    from speculators.losses import resolve_loss_config
 
+    try:
+        return resolve_loss_config(cfg.train.loss, "eager")
+    except ValueError as e:
+        raise StageError(f"train.loss {cfg.train.loss!r}: {e}") from None
+
+
+def row_seed(seed: int, epoch: int, position: int) -> int:
+    """A seed of one packed row of one epoch: the same whatever rank or micro-step trains it, and on a resume."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{epoch}/{position}".encode()).digest()[:8], "little")
+
+
+def add_hidden_noise(batch: dict, std: float, seed: int) -> dict:
+    """The device batch with uniform noise in [-std, std] added to the draft's input states (``hidden_states``, the
+    3 aux states; not the verifier's last state, which makes the targets): what speculators' loader did before 0.9
+    (``AddUniformNoise``, std 0.05 on training rows; 0.9.0 has no noise, so this is ours, one line of it). Drawn
+    from ``seed`` (``row_seed``), so every world size x grad_accum and a resume add the same noise to a row."""
+    states = batch["hidden_states"]
+    generator = torch.Generator(device=states.device).manual_seed(seed)
+    unit = torch.rand(states.shape, generator=generator, device=states.device, dtype=torch.float32)
+    return {**batch, "hidden_states": states + ((2.0 * unit - 1.0) * std).to(states.dtype)}
+
+
+def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     from .train_data import device_batches
 
     started = time.time()
@@ -732,6 +837,9 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     if ranks.distributed:
         log.info("rank %d of %d (local rank %d, pid %d) on %s", ranks.rank, world, ranks.local_rank, os.getpid(),
                  device)
+    loss_config = resolve_loss(cfg)  # an unknown loss name costs no data check
+    if ranks.main:
+        check_trackers(t.report_to)
     train_ds, val_ds, manifest = build_data(cfg, device)  # its checks refuse before any checkpoint is touched
     resume_from = on_rank0(ranks, lambda: _prepare_checkpoints(cfg))
     on_rank0(ranks, lambda: _check_resume_identity(cfg, resume_from, manifest, ranks))
@@ -749,7 +857,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     if total_steps == 0:
         raise StageError(f"{dd.hidden_states}: no training batch (no samples?)")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                  betas=tuple(t.adam_betas))  # the recipe (train.weight_decay, adam_betas)
     scheduler = warmup_cosine_schedule(optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps)
     state = TrainingState(step=0, epoch=0, batches_done=0, seed=s.seed)
     if resume_from is not None:
@@ -760,9 +869,14 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         model.load_state_dict(model_state, strict=False)
         optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(sched_state)
-        on_rank0(ranks, lambda: _truncate_metrics(dd.train_metrics, state))
         log.info("resuming from %s: step %d, epoch %d, step %d of the epoch", resume_from[1], state.step, state.epoch,
                  state.batches_done)
+    skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
+    if state.epoch >= t.epochs or (t.max_steps and state.step >= t.max_steps):  # a --resume of a finished run
+        log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
+                 f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
+        return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world,
+                                               _skipped_counts(skipped_before), reuse=True))
     net = model
     if ranks.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -777,17 +891,32 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       gradient_as_bucket_view=True, **no_sync)
 
-    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export
-    call_kwargs, keys = family.call_kwargs, family.keys
+    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export (train_drafts)
+    call_kwargs, keys = family.call_kwargs(loss_config), family.keys
     source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
-    plans = {p.epoch: p for p in run_plan(epoch_batches, state, t.max_steps, world, accum, ranks.rank)}
-    source.plan(list(plans.values()))  # online: the spool fills across epoch boundaries
+    eval_every = t.eval_every_steps if val_ds is not None else 0
+    every_rank = [run_plan(epoch_batches, state, t.max_steps, world, accum, r, eval_every) for r in range(world)]
+    if val_ds is None:
+        for p in (p for mine in every_rank for p in mine):
+            p.eval_steps = []
+    plans = {p.epoch: p for p in every_rank[ranks.rank]}
+    source.plan(every_rank[ranks.rank], every_rank)  # online: the spool fills across epochs, one cache for all ranks
     log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
              "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
              "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
              "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
              manifest.num_samples, manifest.storage_dtype, device)
+    log.info("recipe: loss %s, AdamW weight decay %g, betas %s, gradient clipping %s, hidden-state noise %s; "
+             "held-out evaluation %s; export %s", family.loss_name, t.weight_decay, tuple(t.adam_betas),
+             f"{t.max_grad_norm:g}" if t.max_grad_norm else "off",
+             f"uniform +-{t.hidden_noise_std:g}" if t.hidden_noise_std else "off",
+             "none (train.eval_fraction 0)" if val_ds is None else
+             f"every {t.eval_every_steps} steps" if t.eval_every_steps else "after each epoch", t.export)
+    last_saved: list[TrainingState] = []
+    # train.export best: the best evaluation so far (every rank holds it: evaluations are all-reduced), its
+    # checkpoint saved when it is made and never pruned
+    best: list = on_rank0(ranks, lambda: _best_so_far(dd))  # [step, acceptance length] or []
 
     def save(at: TrainingState) -> None:
         def write() -> None:
@@ -797,17 +926,71 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             check_free_space(dd.checkpoints, _checkpoint_bytes(model_state, opt_state), t.min_free_gb)
             save_train_checkpoint(folder, model_state, opt_state, scheduler.state_dict(), at)
             log.info("checkpoint %s", folder)
-            for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints):
+            protect = frozenset(best[:1]) if t.export == "best" else frozenset()
+            for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints, protect):
                 log.info("deleted %s (train.keep_checkpoints %d)", gone, t.keep_checkpoints)
 
         on_rank0(ranks, write)
+        last_saved[:] = [at]
+
+    # samples a read check skipped (train_data.SkippedFile): listed in skipped.jsonl, and past --max-error-share of
+    # an epoch's samples (trained and held out, the share 02 and the online source take) the run stops
+    skips = SkippedSamples(dd.train_skipped, ranks, device, skipped_before)
+    epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
+    allowed = errors_allowed(cfg.extract.max_error_share, epoch_samples)
+
+    def stop_past_share(epoch: int, at: TrainingState) -> None:
+        """Past the share (global counts, as of the last sync: every rank decides alike): checkpoint ``at``, stop."""
+        skipped = skips.in_epoch(epoch)
+        if skipped <= allowed:
+            return
+        if last_saved != [at]:
+            save(at)
+        again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
+        fix = ("--resume reads them again from files extracted anew" if t.data_source == "online" else
+               "or rebuild hidden_states/ (02_extract_hidden_states.py --overwrite) and start over (--overwrite)")
+        need = math.ceil(skipped / epoch_samples * 1e4) / 1e4  # the smallest share (4 decimals) that allows them
+        while errors_allowed(need, epoch_samples) < skipped:
+            need = round(need + 1e-4, 4)
+        raise StageError(f"epoch {epoch + 1}: {skipped} of its {epoch_samples} samples skipped as they were read "
+                         f"(allowed {allowed}: --max-error-share {cfg.extract.max_error_share:g}); each is listed with "
+                         f"its file and reason in {dd.train_skipped}. Checkpoint {dd.checkpoint_step(at.step)} (step "
+                         f"{at.step}): to train on without them rerun {again} --resume --max-error-share {need:g}; "
+                         f"{fix}")
+
+    def evaluate(epoch: int, step: int) -> dict:
+        """The held-out rows evaluated after optimizer step ``step`` (each rank its share, the sums all-reduced):
+        its record in metrics.jsonl and the trackers, and curves.png redrawn."""
+        def held_out(batches):
+            for host, on_device in batches:
+                skips.add(host, epoch, step, held_out=True)
+                yield host, on_device
+
+        ev_sums = evaluate_sums(model, held_out(device_batches(source.evaluation(epoch, step), device, dtype)),
+                                autocast, call_kwargs, keys, device,  # this rank's i-th held-out row is row
+                                row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))  # rank + i x world
+        ev = family.summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0])
+        skips.sync()
+        if ranks.main:
+            metrics_log.write({"kind": "eval", "step": step, "epoch": epoch,
+                               "skipped_samples": skips.held_out[epoch], **ev})
+            log.info("eval after step %d (epoch %d): %s", step, epoch + 1,
+                     ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if not k.endswith("_tokens")))
+            family.plot(dd.train_metrics, dd.train_curves)
+        return ev
 
     progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
-                         desc="Training") if ranks.main else None)
-    metrics_log = JsonlAppender(dd.train_metrics, fsync_every=16) if ranks.main else None
+                         desc="Training", errors_label="skipped samples", show_zero_errors=False)
+                if ranks.main else None)
+    metrics_log = (MetricsLog(dd.train_metrics, t.report_to, dd.train_reports, t.report_project,
+                              Path(cfg.data_dir).resolve().name, cfg.to_dict(),
+                              resumed_step=state.step if resume_from is not None else None, step=state.step)
+                   if ranks.main else None)
     model.train()
     tokens_seen, t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
     waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
+    window, window_steps = None, 0  # this rank's metric sums since the last log line (the logged figures are their
+    # means) and the steps they span (after a resume, the steps since the checkpoint)
     stopped = False
     try:
         for epoch in range(state.epoch, t.epochs):
@@ -815,19 +998,20 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             start = state.batches_done if epoch == state.epoch else 0
             plan = plans[epoch].plan
             trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
+            not_given = 0  # samples of those rows the reader did not give (skipped, or online: failed)
             batches = device_batches(source.epoch(epoch, plans[epoch].rows), device, dtype, waited)
             for step_in_epoch in range(start, steps_per_epoch[epoch]):
                 present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
                 agree_stop(source, ranks)
                 optimizer.zero_grad(set_to_none=True)
-                sums, skipped = None, 0
                 for micro in range(accum):
                     batch, gpu = next(batches)
                     position, real = plan[(step_in_epoch - start) * accum + micro]
-                    if real and batch.get("error_records"):  # speculators' reader skipped samples (ids differ)
-                        skipped += int(batch["error_records"])
-                        log.warning("epoch %d packed row %d: %d samples skipped: %s", epoch, position,
-                                    batch["error_records"], batch.get(RECOVERY_METADATA_KEY, ""))
+                    if real:
+                        skips.add(batch, epoch, state.step + 1)
+                        not_given += int(batch.get("error_records", 0))
+                    if t.hidden_noise_std:
+                        gpu = add_hidden_noise(gpu, t.hidden_noise_std, row_seed(s.seed, epoch, position))
                     # the step's gradient is the mean over its rows of each row's gradient: DDP averages over
                     # ranks, so each rank scales its rows by world / rows present (0 for a placeholder row)
                     weight = world / present if real else 0.0
@@ -840,16 +1024,22 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     if real:
                         trained.append(position)
                         tokens_seen += int((batch["document_ids"] != -1).sum())
-                        sums = add_metrics(sums, metrics, keys)
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                        window = add_metrics(window, metrics, keys)
+                if t.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
                 lr_used = optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
                 optimizer.step()
                 scheduler.step()
                 source.step_done()
                 state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
-                if state.step % t.log_every == 0 or state.step == cap:
-                    totals, (tokens_all, skipped_all) = reduce_metrics(sums, keys, device, [tokens_seen, skipped],
-                                                                       ranks.distributed)
+                window_steps += 1
+                logged = state.step % t.log_every == 0 or state.step == cap
+                saving = state.step % t.checkpoint_every == 0
+                evaluating = state.step in plans[epoch].eval_steps
+                if not ranks.distributed or logged or saving:  # under torchrun, a collective: at steps all share
+                    skips.sync()
+                if logged:  # the means over every row since the last log line, pooled over ranks
+                    totals, (tokens_all,) = reduce_metrics(window, keys, device, [tokens_seen], ranks.distributed)
                     row = family.summarize(totals)
                     rate = tokens_all / max(time.monotonic() - t0, 1e-9)
                     if ranks.main:
@@ -857,42 +1047,52 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                                            "lr": lr_used, "tokens_per_s": rate,
                                            "tokens": int(tokens_all), "elapsed_s": time.monotonic() - t0,
                                            "loader_wait_s": waited.get("loader_wait_s", 0.0),
-                                           "skipped_samples": int(skipped_all), "rows": int(totals["loss_total"]),
-                                           **row})
+                                           "skipped_samples": sum(skips.trained.values()),
+                                           "rows": int(totals["loss_total"]), "window_steps": window_steps, **row})
                         progress.set_fields(**family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
+                    window, window_steps = None, 0
+                if evaluating:
+                    ev = evaluate(epoch, state.step)
+                    if not best or ev[ACCEPTANCE_KEY] > best[1]:
+                        best[:] = [state.step, ev[ACCEPTANCE_KEY]]
+                        if t.export == "best":
+                            saving = True  # the best evaluation's weights: train.export best exports them
                 if progress is not None:
+                    progress.errors = sum(skips.trained.values()) + sum(skips.held_out.values())
                     progress.update(1)
-                if state.step % t.checkpoint_every == 0:
+                if saving:
                     save(state)
+                stop_past_share(epoch, state)
                 if t.max_steps and state.step >= t.max_steps:
                     stopped = True
                     break
             if stopped:
                 break
             next(batches, None)  # lets the loader's epoch end (the plan held exactly its batches)
-            per_rank = [trained]
+            skips.sync()
+            per_rank = [(trained, not_given)]
             if ranks.distributed:
                 import torch.distributed as dist
 
                 per_rank = [None] * world
-                dist.all_gather_object(per_rank, trained)
+                dist.all_gather_object(per_rank, (trained, not_given))
+            extra = source.epoch_record(epoch)  # every rank: online, it gathers every rank's counts
             if ranks.main:
-                record = check_rows_trained(per_rank, rows, start, group, epoch)
+                record = check_rows_trained([r for r, _ in per_rank], rows, start, group, epoch)
+                # the samples trained: those packed less those the reader did not give (skipped.jsonl lists the
+                # ones a read check skipped; online, online_errors.jsonl the ones never extracted)
+                packed = record["samples"]
+                record.update(samples=packed - sum(n for _, n in per_rank), packed_samples=packed,
+                              skipped_samples=skips.listed_this_run[epoch])
                 metrics_log.write(record)
-                if (extra := source.epoch_record(epoch)) is not None:
+                if extra is not None:
                     metrics_log.write(extra)
-                log.info("epoch %d: %d packed rows trained (%d samples), each once, over %d rank%s (%s rows each); "
-                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"], world,
-                         "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])), record["from_row"],
-                         len(rows) - record["from_row"])
-            if val_ds is not None:  # this rank's i-th held-out row is row rank + i * world of their packing
-                ev_sums = evaluate_sums(model, device_batches(source.evaluation(epoch), device, dtype), autocast,
-                                        call_kwargs, keys, device,
-                                        row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))
-                ev = family.summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0])
-                if ranks.main:
-                    metrics_log.write({"kind": "eval", "step": state.step, "epoch": epoch, **ev})
-                    log.info("eval after epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                log.info("epoch %d: %d packed rows trained (%d samples%s), each once, over %d rank%s (%s rows each); "
+                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"],
+                         f", {packed - record['samples']} not given by the reader" if packed > record["samples"]
+                         else "", world, "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])),
+                         record["from_row"], len(rows) - record["from_row"])
+            stop_past_share(epoch, state)
             state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
     except SourceStopped as e:
         if metrics_log is not None:
@@ -902,31 +1102,164 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
             # join: torchrun ends them
             raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
                              "torchrun command with --resume once a server answers") from None
+        skips.sync()  # every rank stops here (agreed): the samples of the steps kept are listed
         save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
         again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
         raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun {again} "
                          "--resume once a server answers") from None
     finally:
         source.close()
+        skips.close()
         if metrics_log is not None:
             metrics_log.close()
         if progress is not None:
             progress.close()
-    save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+    if last_saved != [state]:
+        save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+    counts = {"trained": sum(skips.trained.values()), "held_out": sum(skips.held_out.values())}
+    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world, counts))
 
-    def export() -> Path:
-        model.to("cpu")
-        out = family.export(model, dd.final_checkpoint, base_config)
-        family.plot(dd.train_metrics, dd.train_curves)
-        write_provenance(dd.provenance(dd.checkpoints), stage="train",
-                         config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
-                         inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
-                         counts={"steps": state.step, "epochs_done": state.epoch, "samples": manifest.num_samples,
-                                 "world_size": world, "grad_accum": accum, "rows_per_step": group},
-                         started=started)
-        log.info("train: exported %s (%s) after %d steps; curves %s; %.0fs", out,
-                 "dflash" if t.draft == "dflash" else t.export_format, state.step,
-                 dd.train_curves, time.time() - started)
-        return out
 
-    return on_rank0(ranks, export)
+def _best_so_far(dd: DataDir) -> list:
+    """[step, simulated acceptance length] of the best evaluation metrics.jsonl holds (as truncated for this run),
+    or [] (rank 0 alone)."""
+    records = list(read_jsonl(dd.train_metrics)) if dd.train_metrics.exists() else []
+    best = best_evaluation(records)
+    return [best["step"], best[ACCEPTANCE_KEY]] if best is not None else []
+
+
+def _skipped_counts(skipped: list[SkippedSample]) -> dict[str, int]:
+    held_out = sum(s.held_out for s in skipped)
+    return {"trained": len(skipped) - held_out, "held_out": held_out}
+
+
+def _export_holds(dd: DataDir, step: int, export_format: str) -> bool:
+    """checkpoints/final/ holds the export of training step ``step`` in ``export_format`` (its provenance says)."""
+    prov = read_provenance(dd.provenance(dd.checkpoints))
+    return (dd.final_checkpoint.is_dir() and prov is not None and prov.get("counts", {}).get("steps") == step
+            and prov.get("config", {}).get("train", {}).get("export_format") == export_format)
+
+
+def choose_export(cfg: PipelineConfig, state: TrainingState) -> tuple[int, dict | None]:
+    """(step whose weights final/ gets, the eval record it was chosen by or None): train.export last = the end of
+    training; best = the evaluation with the highest simulated acceptance length among the steps a checkpoint
+    exists for (rank 0 alone)."""
+    dd = DataDir(cfg.data_dir)
+    if cfg.train.export == "last":
+        return state.step, None
+    records = list(read_jsonl(dd.train_metrics)) if dd.train_metrics.exists() else []
+    saved = {step for step, _ in list_train_checkpoints(dd.checkpoints)}
+    best = best_evaluation(records, saved)
+    if best is None:
+        raise StageError(f"train.export best: no held-out evaluation in {dd.train_metrics} has a checkpoint in "
+                         f"{dd.checkpoints} to export (steps saved: {sorted(saved)}); export last, or train with "
+                         "held-out rows (train.eval_fraction > 0)")
+    overall = best_evaluation(records)
+    if overall is not None and overall["step"] != best["step"]:
+        log.warning("train.export best: the best evaluation, step %d (%s %.4f), has no checkpoint any more; "
+                    "exporting step %d (%.4f), the best one saved", overall["step"], ACCEPTANCE_KEY,
+                    overall[ACCEPTANCE_KEY], best["step"], best[ACCEPTANCE_KEY])
+    return best["step"], best
+
+
+def _write_draft(model, base_config, cfg: PipelineConfig, out: Path) -> Path:
+    """The draft in its family's export format (EAGLE-3: train.export_format; DFlash: speculators')."""
+    return draft_family(cfg, torch.device("cpu")).export(model, out, base_config)
+
+
+def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manifest, started: float, world: int,
+            skipped: dict[str, int], reuse: bool = False) -> Path:
+    """Export checkpoints/final/ (train.export: the last step's weights, or the best evaluation's checkpoint),
+    curves and provenance (rank 0 alone). ``reuse``: a final/ that already holds this export is kept as it is."""
+    dd, s, t = DataDir(cfg.data_dir), cfg.shared, cfg.train
+    step, chosen = choose_export(cfg, state)
+    if reuse and _export_holds(dd, step, t.export_format):
+        log.info("train: %s already holds the export of step %d (%s)", dd.final_checkpoint, step, t.export_format)
+        return dd.final_checkpoint
+    model.to("cpu")
+    if step != state.step:  # train.export best: that checkpoint's weights (the run's own draft, so its keys)
+        model.load_state_dict(load_train_checkpoint(dd.checkpoint_step(step))[0], strict=False)
+        log.info("train.export best: step %d (%s %.4f on the held-out rows), not the last step %d", step,
+                 ACCEPTANCE_KEY, chosen[ACCEPTANCE_KEY], state.step)
+    out = _write_draft(model, base_config, cfg, dd.final_checkpoint)
+    draft_family(cfg, torch.device("cpu")).plot(dd.train_metrics, dd.train_curves)
+    write_provenance(dd.provenance(dd.checkpoints), stage="train",
+                     config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
+                     inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
+                     counts={"steps": step, "trained_steps": state.step, "epochs_done": state.epoch,
+                             "samples": manifest.num_samples, "world_size": world, "grad_accum": t.grad_accum,
+                             "rows_per_step": world * t.grad_accum, "skipped_samples": skipped["trained"],
+                             "skipped_held_out": skipped["held_out"], "export": t.export,
+                             **({ACCEPTANCE_KEY: chosen[ACCEPTANCE_KEY]} if chosen else {})},
+                     started=started)
+    log.info("train: exported %s (%s) of step %d after %d steps; curves %s; %.0fs", out, t.export_format, step,
+             state.step, dd.train_curves, time.time() - started)
+    return out
+
+
+def resolve_export_from(cfg: PipelineConfig) -> tuple[int, Path]:
+    """(step, folder) of --export-from: step_N (in checkpoints/) or a checkpoint folder; refuses anything else
+    naming the checkpoints there are."""
+    dd, spec = DataDir(cfg.data_dir), cfg.train.export_from
+    folder = dd.checkpoints / spec if "/" not in spec and spec.startswith("step_") else Path(spec)
+    done = list_train_checkpoints(folder.parent)
+    found = [step for step, p in done if p.resolve() == folder.resolve()]
+    if not found:
+        have = ", ".join(p.name for _, p in list_train_checkpoints(dd.checkpoints)) or "none"
+        raise StageError(f"--export-from {spec}: {folder} is not a finished checkpoint (checkpoints in "
+                         f"{dd.checkpoints}: {have})")
+    return found[0], folder
+
+
+def export_checkpoint(cfg: PipelineConfig) -> Path:
+    """--export-from step_N: that checkpoint's draft exported (train.export_format) into checkpoints/export_step_N/
+    (or --export-to), with its own provenance.json, atomically (written under a temporary name, then renamed), on
+    CPU. It reads the checkpoint and writes only its own folder, so a training that is running goes on undisturbed
+    (its lock is 04_train's; this one's is 04_export's). The draft's shape must be the run's (run.json)."""
+    import json
+
+    started = time.time()
+    dd, t = DataDir(cfg.data_dir), cfg.train
+    step, folder = resolve_export_from(cfg)
+    if dd.train_run.exists():
+        then = json.loads(dd.train_run.read_text())["settings"]
+        now = run_settings(cfg, None, 1)
+        changed = [f"{k}: {then[k]!r} then, {now[k]!r} now" for k in DRAFT_SHAPE_KEYS if k in then and then[k] != now[k]]
+        if changed:
+            raise StageError(f"--export-from {t.export_from}: the run in {dd.checkpoints} trained another draft "
+                             f"({'; '.join(changed)}): pass the config it was trained with")
+    try:
+        model_state = load_train_checkpoint(folder)[0]  # read at once: a pruning by the running training after
+        # this line no longer matters
+    except (FileNotFoundError, FormatError) as e:
+        raise StageError(f"--export-from {t.export_from}: {folder} could not be read ({e}); the running training "
+                         "may have pruned it (train.keep_checkpoints): pick a newer step") from None
+    model, base_config = build_model(cfg, torch.device("cpu"))
+    if set(model_state) != set(draft_state(model)):
+        raise StageError(f"--export-from {t.export_from}: {folder} holds other tensors than this config's draft")
+    model.load_state_dict(model_state, strict=False)
+    out = Path(t.export_to) if t.export_to else dd.train_export(step)
+    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_draft(model, base_config, cfg, tmp)
+    write_provenance(dd.provenance(tmp), stage="train", config_hash=cfg.section_hash("shared", "train"),
+                     config=cfg.to_dict(), inputs=[str(folder), str(dd.vocab), cfg.shared.verifier, t.finetune_from],
+                     counts={"steps": step, "export": f"export_from {t.export_from}",
+                             "rows_per_step": _rows_per_step(dd)}, started=started)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    log.info("train: exported %s of %s (%s, step %d); serve it: 05_evaluate.py --draft %s", out, folder,
+             t.export_format, step, out)
+    return out
+
+
+def _rows_per_step(dd: DataDir) -> int | None:
+    """Rows per optimizer step of the run in checkpoints/ (run.json), None when it has no record."""
+    import json
+
+    if not dd.train_run.exists():
+        return None
+    return json.loads(dd.train_run.read_text())["settings"].get(ROWS_PER_STEP)

@@ -1,4 +1,12 @@
-"""Stage 04's batches on the device: fp8 hidden states dequantised on the GPU, host-to-device copies overlapped.
+"""Stage 04's reader of per-sample states files (each read checked) and its batches on the device: fp8 hidden states
+dequantised on the GPU, host-to-device copies overlapped.
+
+Every file read (offline from hidden_states/, online from the spool) goes through ``CheckedFileTransfer`` (its
+layer metadata against the manifest) and ``CheckedArrowDataset`` (its states hold one row per token id, and its
+token ids are the row's: speculators checks the ids and skips, but not the length, and a file with fewer state rows
+than token ids shifted every later sample of its packed row against its tokens). A sample that fails is skipped as
+``SkippedFile`` (file and reason), and ``ListingCollateFn`` hands the packed row's list to the training loop, which
+lists each in checkpoints/skipped.jsonl and stops past --max-error-share.
 
 speculators' ``FP8Transfer`` dequantises each fp8 sample to bf16 inside the DataLoader workers, so every later copy
 (collate, shared memory, pinning, host to device) moves twice the bytes and the workers spend CPU on the
@@ -11,11 +19,15 @@ on a side stream while step i computes.
 from __future__ import annotations
 
 import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hs_connectors.transfer import FileTransfer
 from speculators.models.eagle3.data import shift_batch
-from speculators.train.data import ArrowDataset
+from speculators.train.data import ArrowDataset, CollateFn
+from speculators.train.recovery import SampleUnavailable
 
 from .records import HS_SCALES_KEY, FormatError, check_hs_file_metadata, read_hidden_states_metadata
 
@@ -24,6 +36,20 @@ FP8_SCALES = "fp8_scales"  # [T, k] float32 scales of a sample's fp8 states: k =
 # Their names must not contain "hidden_states": CollateFn casts every such key to the states' dtype.
 FP8_SCALES_IN = "fp8_scales_in"
 FP8_SCALES_LAST = "fp8_scales_last"
+SKIPPED_KEY = "skipped_files"  # a packed row's samples the read checks skipped: [{"file", "index", "reason"}]
+
+# speculators warns about a token-id mismatch with both whole id tensors (32768 ids each at K2.5's rows); the sample
+# is listed with its file and a short reason instead (CheckedArrowDataset)
+warnings.filterwarnings("ignore", message="Loaded token ids", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class SkippedFile(SampleUnavailable):
+    """A sample whose states file failed a read check: speculators' collate drops it (and counts it in
+    ``error_records``) like any unavailable sample; ``ListingCollateFn`` lists it with its file and reason."""
+
+    file: str = ""
+    index: int = -1  # the file index (hs_{index})
 
 
 class CheckedFileTransfer(FileTransfer):
@@ -35,13 +61,20 @@ class CheckedFileTransfer(FileTransfer):
         super().__init__(hidden_states_path)
         self.aux_layer_ids, self.num_layers = list(manifest.aux_layer_ids), manifest.num_layers
 
+    last_read: Path | None = None  # the file the last get_cached read (None: it found none)
+
+    def path(self, file_idx: int) -> Path:
+        return self.hidden_states_path / f"hs_{file_idx}.safetensors"  # FileTransfer's own name for file file_idx
+
     def get_cached(self, file_idx: int):
-        path = self.hidden_states_path / f"hs_{file_idx}.safetensors"  # FileTransfer's own name for file file_idx
+        path = self.path(file_idx)
         if path.exists():
             if not check_hs_file_metadata(path, read_hidden_states_metadata(path), self.aux_layer_ids,
                                           self.num_layers):
                 raise FormatError(f"{path}: its metadata says the states hold NaN/Inf (stage 02 never keeps such)")
-        return super().get_cached(file_idx)
+        data = super().get_cached(file_idx)
+        self.last_read = path if data is not None else None
+        return data
 
 
 class Fp8KeptTransfer(CheckedFileTransfer):
@@ -56,8 +89,40 @@ class Fp8KeptTransfer(CheckedFileTransfer):
         return data
 
 
-class Fp8ScaledDataset(ArrowDataset):
-    """speculators' ArrowDataset over fp8 files, each sample carrying its per-token scales (``FP8_SCALES``)."""
+class CheckedArrowDataset(ArrowDataset):
+    """speculators' ArrowDataset (over a ``CheckedFileTransfer``) whose samples are checked as they are read: a file
+    whose states are not one row per token id, or whose token ids are not the row's, becomes a ``SkippedFile``
+    naming the file and the reason. A file that is not there stays speculators' (``on_missing``)."""
+
+    def _get_raw_data(self, index: int):
+        path = self.transfer.path(self._map_to_file_idx(index))
+        sample = super()._get_raw_data(index)
+        if isinstance(sample, SampleUnavailable):
+            if self.transfer.last_read != path:  # no file: on_missing's outcome (online lists its own failures)
+                return sample
+            return SkippedFile(reason=f"its token_ids are not the row's input_ids ({self.approx_lengths[index]} "
+                                      "tokens): the states of another row", file=str(path), index=index +
+                               self.start_file_idx)
+        states, tokens = sample["hidden_states"].shape[0], sample["input_ids"].shape[0]
+        if states != tokens:
+            return SkippedFile(reason=f"hidden states for {states} tokens, token_ids hold {tokens}: a torn or "
+                                      "altered file", file=str(path), index=index + self.start_file_idx)
+        return sample
+
+
+class ListingCollateFn(CollateFn):
+    """speculators' CollateFn, which drops unavailable samples and keeps only their count (``error_records``); this
+    one also hands on the ``SkippedFile`` entries as ``SKIPPED_KEY`` (file, index, reason) for the training loop."""
+
+    def __call__(self, batch):
+        skipped = [{"file": s.file, "index": s.index, "reason": s.reason} for s in batch if isinstance(s, SkippedFile)]
+        out = super().__call__(batch)
+        out[SKIPPED_KEY] = skipped
+        return out
+
+
+class Fp8ScaledDataset(CheckedArrowDataset):
+    """``CheckedArrowDataset`` over fp8 files, each sample carrying its per-token scales (``FP8_SCALES``)."""
 
     def _get_raw_data(self, index: int):
         sample = super()._get_raw_data(index)

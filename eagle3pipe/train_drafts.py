@@ -34,12 +34,11 @@ from .train_metrics import (
 
 log = logging.getLogger(__name__)
 
-LOSS_NAME = "kl_div"  # EAGLE-3's loss (speculators' default)
-
-
-def row_seed(*parts) -> int:
-    """A 63-bit seed from ``parts`` (shared.seed, epoch or "eval", row position): distinct rows, distinct streams."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+def anchor_seed(*parts) -> int:
+    """A 63-bit seed of one row's DFlash anchors from ``parts`` (shared.seed, epoch or "eval", row position):
+    distinct rows, distinct streams, none shared with train.row_seed's noise."""
+    text = ":".join(map(str, ("dflash anchors", *parts)))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 @contextmanager
@@ -56,13 +55,13 @@ class Eagle3Family:
     name = "eagle3"
 
     def __init__(self, cfg: PipelineConfig, device: torch.device):
-        from speculators.losses import resolve_loss_config
-
         self.cfg, self.device = cfg, device
-        t = cfg.train
-        self.call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0,
-                            "loss_config": resolve_loss_config(LOSS_NAME, "eager")}
-        self.keys = metric_keys(t.ttt_steps)
+        self.keys = metric_keys(cfg.train.ttt_steps)
+        self.loss_name = cfg.train.loss
+
+    def call_kwargs(self, loss_config: dict) -> dict:
+        """The forward's keyword arguments, with speculators' loss config of train.loss (train.resolve_loss)."""
+        return {"ttt_steps": self.cfg.train.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
 
     def summarize(self, totals: dict) -> dict:
         return summarize(totals, self.cfg.train.ttt_steps)
@@ -85,7 +84,7 @@ class Eagle3Family:
         return draft.export_flat(model, out_dir, self.cfg.draft_layer_ids, base_config)
 
     def plot(self, metrics_path: Path, out_png: Path) -> None:
-        plot_curves(metrics_path, out_png, self.cfg.train.ttt_steps)
+        plot_curves(metrics_path, out_png, self.cfg.train.ttt_steps, self.cfg.train.loss)
 
 
 class DFlashFamily:
@@ -101,9 +100,17 @@ class DFlashFamily:
         t = cfg.train
         self.block_size = t.dflash_block_size
         self.anchors = draft_dflash.max_anchors(t.total_seq_len, t.dflash_max_anchors)
-        self.call_kwargs = draft_dflash.trainer_kwargs(loss=t.dflash_loss, position_weight=t.dflash_position_weight,
-                                                       gamma=t.dflash_gamma, anchors=self.anchors)
         self.keys = dflash_metric_keys(self.block_size)
+        self.loss_name = f"{t.dflash_loss} with {t.dflash_position_weight} slot weights ({self.anchors} blocks a row)"
+
+    def call_kwargs(self, loss_config: dict) -> dict:  # noqa: ARG002 (train.loss is EAGLE-3's; DFlash has its own)
+        """The forward's keyword arguments: speculators' own for DFlash (train.dflash_loss, position weight, gamma,
+        anchors)."""
+        from . import draft_dflash
+
+        t = self.cfg.train
+        return draft_dflash.trainer_kwargs(loss=t.dflash_loss, position_weight=t.dflash_position_weight,
+                                           gamma=t.dflash_gamma, anchors=self.anchors)
 
     def summarize(self, totals: dict) -> dict:
         return summarize_dflash(totals, self.block_size)
@@ -112,7 +119,7 @@ class DFlashFamily:
         return {"loss": f"{row['loss']:.3f}", "eal": f"{row['eal']:.2f}", "acc": f"{row['acc']:.3f}"}
 
     def row_rng(self, epoch, position: int):
-        return seeded_rng(row_seed(self.cfg.shared.seed, epoch, position), self.device)
+        return seeded_rng(anchor_seed(self.cfg.shared.seed, epoch, position), self.device)
 
     def identity(self) -> dict:
         t = self.cfg.train

@@ -15,21 +15,29 @@ across epoch boundaries) and extracts each row's samples into its own folder of 
 (``DataDir.train_spool_slot``) while the rank's share of ``train.spool_gb`` allows (a row is admitted when the upper
 bound of its files' bytes fits beside the rows already admitted); the training loop waits for a row's files, packs
 it, trains, and deletes the files of a step once that optimizer step is done (a held-out row's once it is packed).
-Each epoch re-extracts, except the samples ``train.cache_gb`` keeps: the first row of the plan to read a sample
-extracts it into the cache (``DataDir.train_spool_cache``) while the cache's share allows, and later rows hard-link
-the cached file into their folder after checking it again (stage 02's ``check_file`` and its written size).
+Each epoch re-extracts, except the samples ``train.cache_gb`` keeps. The cache is one folder for every rank
+(``DataDir.train_spool_cache``), planned from every rank's rows (``plan_cache``, the same on every rank): the first
+row of the job to read a sample extracts it into the cache while the cache's bytes allow, that row's rank owns the
+file, and every later row that reads it, on any rank, hard-links it into its folder after checking it again (stage
+02's ``check_file`` and the size the owner wrote; another rank waits for the owner's word, a small JSON beside the
+file). Each epoch re-deals the samples to the ranks (one packing for every world size), so a cache per rank would
+hold the wrong samples for the next epoch; shared, a full cache extracts each sample once whatever the world size.
 
-What a failure becomes (stage 02's rules): a sample whose file keeps failing its content check, or whose states are
-not finite, is trained without and listed (``DataDir.train_online_errors``); a sample a transient failure leaves
-open after every retry (no server answers) is listed too, and once more of them than ``--max-error-share`` of the
-epoch's samples are open, 04 saves a checkpoint at the last finished step and stops naming ``--resume`` (under
-torchrun every rank asks ``stop_reason`` before a step, so all stop there and the save, a collective, runs). A resume
-starts from the checkpoint's step with an empty spool (nothing from before is trusted).
+What a failure becomes: a sample whose file keeps failing its content check, or whose states are not finite, is
+trained without and listed (``DataDir.train_online_errors``), as stage 02 drops it. A sample a transient failure
+leaves open after every retry (no server answers) is never trained without, whatever ``--max-error-share`` says:
+04 saves a checkpoint at the last finished step, before the step that needs the sample, and stops naming
+``--resume``, which trains that step whole (under torchrun every rank asks ``stop_reason`` before a step, so all stop
+there and the save, a collective, runs). A resume starts from the checkpoint's step with an empty spool and cache
+(nothing from before is trusted; the folders of ranks the job no longer has are deleted too) and drops the listed
+failures of the steps it trains again. The weight-0 placeholder row a rank re-reads where an epoch's last step has
+too few rows (``train.rank_rows``) is another rank's row: never counted, listed, or a reason to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -52,7 +61,11 @@ from .records import (
     HiddenStatesManifest,
     JsonlAppender,
     hs_bytes_estimate,
+    read_jsonl,
+    repair_jsonl,
     save_hs_rows,
+    tmp_path_for,
+    write_jsonl_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +126,60 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
     return dataset("train"), (dataset("val") if train_ratio < 1.0 else None), manifest
 
 
+def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]],
+              accum: int = 1) -> Iterator[tuple[int, bool, bool, list[int]]]:
+    """(rank, held out, real, samples) of every packed row the job reads, in the order it reads them: epoch by epoch
+    (``every_rank[r]``: rank r's ``train.run_plan``), each step's rows micro-step by micro-step (``accum`` a step)
+    and rank by rank (the packing's order), and after each step an evaluation follows (``EpochPlan.eval_steps``),
+    every rank's held-out rows (``eval_rows[r]``, the same at every evaluation). ``real`` False: the weight-0
+    placeholder a rank re-reads (another rank's row)."""
+    for plans in zip(*every_rank):  # one EpochPlan of every rank, per epoch
+        first = plans[0]
+        evaluate_after = {(s - first.first_step) * accum for s in first.eval_steps}  # micro-steps read before each
+        for m in range(len(first.plan) + 1):
+            if m in evaluate_after:
+                for j in range(max(map(len, eval_rows), default=0)):
+                    for rank, rows in enumerate(eval_rows):
+                        if j < len(rows):
+                            yield rank, True, True, rows[j]
+            if m < len(first.plan):
+                for rank, p in enumerate(plans):
+                    yield rank, False, p.plan[m][1], p.rows[m]
+
+
+def plan_cache(reads, file_bytes: Callable[[bool, int], tuple[int, int]],
+               budget: int) -> tuple[dict[int, int], list[tuple[int, set[int], set[int]]], int]:
+    """The cache of the whole job (train.cache_gb, one folder for every rank), from ``job_reads``: the first real row
+    to read a sample keeps it (extracts it into the cache) while the upper bounds of the files kept fit in
+    ``budget``, and its rank owns it; every later row that reads it, on any rank (a placeholder row too), reuses it.
+    ``file_bytes(held_out, sample)``: (file index, upper-bound bytes). Returns (owner rank of each file kept, each
+    read's (rank, files it keeps, files it reuses) in ``reads``' order, bytes reserved). Every rank computes the same
+    plan from the same packing, so no rank has to ask another which files the cache will hold."""
+    owners: dict[int, int] = {}
+    roles: list[tuple[int, set[int], set[int]]] = []
+    reserved = 0
+    for rank, held_out, real, samples in reads:
+        keeps, reuses = set(), set()
+        for i in samples:
+            f, need = file_bytes(held_out, i)
+            if f in owners:
+                reuses.add(f)
+            elif real and reserved + need <= budget:
+                owners[f] = rank
+                keeps.add(f)
+                reserved += need
+        roles.append((rank, keeps, reuses))
+    return owners, roles, reserved
+
+
+def _say(path: Path, obj: dict) -> None:
+    """A small JSON file other ranks poll for, whole or absent (temporary name, then rename). No fsync: the cache
+    and its words live as long as the run and are deleted at the next start."""
+    tmp = tmp_path_for(path)
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
 @dataclass
 class Slot:
     """One packed row of the rank's plan: its samples' files in their own spool folder."""
@@ -123,9 +190,12 @@ class Slot:
     dataset: object  # the split the row packs (its file index of sample i: dataset.start_file_idx + i)
     folder: Path
     reserved: int  # upper bound of its files' bytes
-    held_out: bool = False  # a row of the evaluation after the epoch, not trained
+    held_out: bool = False  # a row of an evaluation, not trained
+    step: int | None = None  # the run's optimizer step that trains it (1-based; held out: the step it follows)
     ready: threading.Event = field(default_factory=threading.Event)
-    repeat: bool = False  # the step's first row again, weight 0 (train.rank_rows' placeholder): not counted
+    # the step's first row again, weight 0, where the epoch's last step has fewer rows than ranks x grad_accum
+    # (train.rank_rows' real False): another rank's row, so never counted, listed or a reason to stop
+    repeat: bool = False
     failed: dict[int, tuple[str, bool]] = field(default_factory=dict)  # file index: (reason, open: transient)
     written: int = 0  # bytes of the files written
     admitted_step: int = -1  # optimizer steps the run had finished when the prefetcher admitted the row
@@ -136,6 +206,11 @@ class Slot:
     @property
     def files(self) -> list[int]:
         return [self.dataset.start_file_idx + i for i in self.samples]
+
+    @property
+    def open_failures(self) -> list[int]:
+        """File indices no server gave after every retry: the row cannot train (a placeholder row can, at weight 0)."""
+        return [] if self.repeat else sorted(i for i, (_, is_open) in self.failed.items() if is_open)
 
 
 class OnlineBatches:
@@ -153,19 +228,20 @@ class OnlineBatches:
         self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
         self.collate = make_collate(dataset, cfg)
-        self.planned: dict[int, tuple[list[Slot], list[Slot]]] = {}  # epoch: (its rows, its held-out rows)
+        self.planned: dict[int, tuple[list[Slot], dict[int, list[Slot]]]] = {}  # epoch: (its rows, {step: the
+        # held-out rows of the evaluation after that optimizer step})
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
         self.current: list[Slot] = []  # the epoch's rows being handed out, and how many were
         self.handed = 0
-        # train.cache_gb: the first row of the plan to read a sample extracts it into the cache while the cache's
-        # upper-bound bytes allow; every later row reading it links the cached file (checked again) into its folder
-        self.cache_budget = int(cfg.train.cache_gb * 1e9 / ranks.world)
-        self.cache_dir = self.dd.train_spool_cache(ranks.rank)
+        # train.cache_gb, one cache for every rank (plan_cache): the rank owning a file extracts it into the cache,
+        # every later row reading it (of any rank) links the cached file (checked again) into its folder
+        self.cache_budget = int(cfg.train.cache_gb * 1e9)
+        self.cache_dir = self.dd.train_spool_cache
         self.cache_reserved = self.cache_on_disk = self.cache_high_water = 0
-        self.cache_owner: dict[int, Slot] = {}  # file index: the slot that extracts it into the cache
+        self.cache_owner: dict[int, int] = {}  # file index: the rank that extracts it into the cache
         self.cache_tried: dict[int, asyncio.Event] = {}  # file index: its first extraction has ended (loop thread)
-        self.cache_sizes: dict[int, int] = {}  # file index: the bytes of the file as written and checked
+        self.cache_sizes: dict[int, int] = {}  # file index: the bytes of the file as written and checked (its owner)
         self.cache_locks: dict[int, asyncio.Lock] = {}  # file index: one check or re-extraction at a time
         self.budget = int(cfg.train.spool_gb * 1e9 / ranks.world)  # this rank's share of the spool
         # a step's rows must fit at once, and on CUDA the next row too (device_batches copies it during the step)
@@ -175,6 +251,11 @@ class OnlineBatches:
         # before any server starts (K2.5 loads for tens of minutes): full rows; ``epoch`` checks the real ones
         self.check_budget(hs_bytes_estimate(cfg.train.total_seq_len, 1, self.num_states, cfg.shared.hidden_size,
                                             cfg.extract.storage_dtype))
+        if ranks.main and cfg.extract.max_error_share:
+            log.warning("extract.max_error_share %g does not apply online: a sample no server answers for stops 04 "
+                        "before the step that needs it (a checkpoint; --resume trains that step whole), and a "
+                        "sample whose file fails its check is trained without and listed",
+                        cfg.extract.max_error_share)
         self.lock = threading.Lock()
         self.list_lock = threading.Lock()
         self.reserved = self.on_disk = self.high_water = 0
@@ -183,12 +264,12 @@ class OnlineBatches:
         self.server = None
         self.stopping = False
         self.error: BaseException | None = None
-        self.errors_log = JsonlAppender(self.dd.train_online_errors, fsync_every=1)
+        self.errors_log: JsonlAppender | None = None  # opened by ``plan`` (a resume first drops what it redoes)
         # the samples of the rows queued (trained and held out), each counted once its files are in the spool
         self.progress = Progress(0, unit="samples", every_s=cfg.shared.progress_every_s, desc="online states")
         shutil.rmtree(self.dd.train_spool_rank(ranks.rank), ignore_errors=True)  # never trusted: refilled
         self.dd.train_spool_rank(ranks.rank).mkdir(parents=True, exist_ok=True)
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the prefetcher's, set by the thread
         self.queue: asyncio.Queue | None = None
         started = threading.Event()
         self.thread = threading.Thread(target=self._thread, args=(started,), name="online-states", daemon=True)
@@ -216,78 +297,141 @@ class OnlineBatches:
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
-    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool) -> list[Slot]:
+    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool, real: list[bool] | None = None,
+               first_step: int = 0, step: int = 0) -> list[Slot]:
+        """``held_out``: the rows of the evaluation after optimizer step ``step``; else the epoch's packed rows from
+        step ``first_step`` on, ``real`` False marking the weight-0 placeholder rows (the plan's flags)."""
         dataset = self.val_dataset if held_out else self.dataset
-        folder = self.dd.train_spool_eval_slot if held_out else self.dd.train_spool_slot
+        folder = (lambda rank, _, k: self.dd.train_spool_eval_slot(rank, step, k)) if held_out else \
+            self.dd.train_spool_slot
+        accum = self.cfg.train.grad_accum
         return [Slot(epoch, k, list(r), dataset, folder(self.ranks.rank, epoch, k), self.row_bytes(r, dataset),
-                     held_out=held_out, repeat=r in rows[:k]) for k, r in enumerate(rows)]
+                     held_out=held_out, step=step if held_out else first_step + k // accum + 1,
+                     repeat=real is not None and not real[k]) for k, r in enumerate(rows)]
 
     def _queue(self, slots: list[Slot]) -> None:
         """Hands ``slots`` to the prefetcher, after every slot queued before them."""
         self.check_budget(max((s.reserved for s in slots), default=0))
         for slot in slots:
-            # the epoch's samples (trained and held out) are the share --max-error-share is taken of
+            # the epoch's samples (trained and held out) the progress line counts
             self.epochs.setdefault(slot.epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0,
                                                 "wait_s": 0.0, "total": 0, "held_out_extracted": 0,
                                                 "cached": 0})
             self.epochs[slot.epoch]["total"] += 0 if slot.repeat else len(slot.samples)
         self.progress.add_total(sum(0 if s.repeat else len(s.samples) for s in slots))
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+        except RuntimeError:  # the loop has ended (closed): the prefetcher stopped on an error
+            raise self.error or StageError("online: the prefetcher thread has ended") from None
 
-    def plan(self, epochs) -> None:
+    def plan(self, epochs, every_rank: list[list] | None = None) -> None:
         """Queues every row the run will read (``train.run_plan``), in the order the loop reads them: each epoch's
-        packed rows, then its held-out rows when it ends in an evaluation. The prefetcher admits them in that order
-        as the spool budget frees, so the next epoch's first rows are extracted while this one's last steps train."""
+        packed rows, with the held-out rows of each evaluation after the rows of the step it follows
+        (``EpochPlan.eval_steps``). The prefetcher admits them in that order as the spool budget frees, so the next
+        epoch's first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan
+        (rank r's at r), from which the shared cache is planned.
+
+        First (rank 0, the others wait): what an earlier run left is deleted, the spool folders of ranks this job
+        does not have (a job resumed on fewer ranks; outside every budget otherwise) and the cache, and the failures
+        listed for the steps (and evaluations) this run trains again are dropped from online_errors.jsonl."""
+        self._start_clean(epochs)
         queued: list[Slot] = []
+        accum = self.cfg.train.grad_accum
         for p in epochs:
             self.first_step[p.epoch] = p.first_step
-            rows = self._slots(p.epoch, p.rows, False)
-            held_out = (self._slots(p.epoch, self.eval_rows, True)
-                        if p.evaluates and self.val_dataset is not None else [])
-            self.planned[p.epoch] = (rows, held_out)
-            queued += rows + held_out
+            rows = self._slots(p.epoch, p.rows, False, [real for _, real in p.plan], p.first_step)
+            evals = ({step: self._slots(p.epoch, self.eval_rows, True, step=step) for step in p.eval_steps}
+                     if self.val_dataset is not None else {})
+            self.planned[p.epoch] = (rows, evals)
+            done = 0
+            for step in sorted(evals):
+                upto = (step - p.first_step) * accum  # the rows of the steps up to this evaluation
+                queued += rows[done:upto] + evals[step]
+                done = upto
+            queued += rows[done:]
         if self.cache_budget:
-            self._plan_cache(queued)
+            self._plan_cache(queued, every_rank or [epochs])
         self.steps_done = epochs[0].first_step if epochs else 0
         self._queue(queued)
 
-    def _plan_cache(self, slots: list[Slot]) -> None:
-        """Which row keeps which sample in the cache (in plan order, while its upper-bound bytes fit in this rank's
-        share of train.cache_gb), which rows reuse it; a row's spool reservation then covers only the rest."""
-        for slot in slots:
-            for i, f in zip(slot.samples, slot.files):
-                if f in self.cache_owner:
-                    slot.reuses.add(f)
-                    continue
-                need = self.row_bytes([i], slot.dataset)
-                if self.cache_reserved + need <= self.cache_budget:
-                    self.cache_owner[f] = slot
-                    slot.keeps.add(f)
-                    self.cache_reserved += need
-            slot.reserved = self.row_bytes([i for i, f in zip(slot.samples, slot.files)
-                                            if f not in slot.keeps | slot.reuses], slot.dataset)
-        log.info("online: train.cache_gb keeps %d samples (up to %.3f GB of %.3f GB for this rank); later epochs "
-                 "read them from %s", len(self.cache_owner), self.cache_reserved / 1e9, self.cache_budget / 1e9,
-                 self.cache_dir)
+    def _start_clean(self, epochs) -> None:
+        """``plan``'s first part (rank 0 deletes and rewrites, every rank then opens the errors list)."""
+        import torch.distributed as dist
+
+        if self.ranks.main:
+            ours = {self.dd.train_spool_rank(r) for r in range(self.ranks.world)}
+            for folder in self.dd.train_spool_rank_folders():
+                if folder not in ours:
+                    log.info("online: deleting %s (the spool of a rank this job does not have)", folder)
+                    shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+            path = self.dd.train_online_errors
+            if epochs and path.exists():
+                repair_jsonl(path)
+                # a step's rows and the evaluation after it are redone when the step is after the checkpoint's
+                first_step = epochs[0].first_step
+                kept = [r for r in read_jsonl(path) if r.get("step", 0) <= first_step]
+                write_jsonl_atomic(path, kept)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        self.errors_log = JsonlAppender(self.dd.train_online_errors, fsync_every=1)
+
+    def _plan_cache(self, slots: list[Slot], every_rank: list[list]) -> None:
+        """This rank's part of the job's cache (``plan_cache`` over every rank's rows): which of its rows keep which
+        samples, which reuse them; a row's spool reservation then covers only the rest."""
+        eval_rows = self._every_rank_eval_rows()
+
+        sizes: dict[tuple[bool, int], tuple[int, int]] = {}  # each sample is read once an epoch
+
+        def file_bytes(held_out: bool, i: int) -> tuple[int, int]:
+            if (held_out, i) not in sizes:
+                dataset = self.val_dataset if held_out else self.dataset
+                sizes[held_out, i] = dataset.start_file_idx + i, self.row_bytes([i], dataset)
+            return sizes[held_out, i]
+
+        owners, roles, self.cache_reserved = plan_cache(job_reads(every_rank, eval_rows, self.cfg.train.grad_accum), file_bytes,
+                                                        self.cache_budget)
+        mine = [(keeps, reuses) for rank, keeps, reuses in roles if rank == self.ranks.rank]
+        assert len(mine) == len(slots), "the rank's reads in the job's plan differ from its queued rows"
+        self.cache_owner = owners
+        for slot, (keeps, reuses) in zip(slots, mine):
+            assert keeps | reuses <= set(slot.files), "the job's plan differs from the rank's rows"
+            slot.keeps, slot.reuses = keeps, reuses
+            slot.reserved = self.row_bytes([i for i, f in zip(slot.samples, slot.files) if f not in keeps | reuses],
+                                           slot.dataset)
+        kept = sum(owner == self.ranks.rank for owner in owners.values())
+        log.info("online: train.cache_gb keeps %d samples (up to %.3f GB of %.3f GB; %d extracted by this rank); "
+                 "later epochs read them from %s", len(owners), self.cache_reserved / 1e9, self.cache_budget / 1e9,
+                 kept, self.cache_dir)
+
+    def _every_rank_eval_rows(self) -> list[list[list[int]]]:
+        """Every rank's held-out rows (train.make_batches gives rank r the packing's rows r::world)."""
+        if self.val_dataset is None:
+            return [[] for _ in range(self.ranks.world)]
+        if self.ranks.world == 1:
+            return [self.eval_rows]
+        from .train import packed_batches
+
+        packing = packed_batches(self.val_dataset, self.cfg.train.total_seq_len, self.cfg.shared.seed, 0)
+        out = [packing[r::self.ranks.world] for r in range(self.ranks.world)]
+        assert out[self.ranks.rank] == [list(r) for r in self.eval_rows], "the held-out rows differ from make_batches'"
+        return out
 
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
-        if epoch in self.planned:
-            slots = self.planned[epoch][0]
-            assert [s.samples for s in slots] == [list(r) for r in rows], "the epoch's rows differ from its plan"
-        else:
-            slots = self._slots(epoch, rows, False)
-            self._queue(slots)
+        assert epoch in self.planned, "plan() queues every epoch the loop reads"
+        slots = self.planned[epoch][0]
+        assert [s.samples for s in slots] == [list(r) for r in rows], "the epoch's rows differ from its plan"
         self.current, self.handed = slots, 0  # stop_reason's view of the rows handed out next
         return self._batches(slots)
 
-    def evaluation(self, epoch: int):
-        """The host batches of this rank's held-out rows, for the evaluation after ``epoch`` (as offline: the
-        held-out split's one packing, the rank's share)."""
-        if epoch in self.planned and self.planned[epoch][1]:
-            slots = self.planned[epoch][1]
+    def evaluation(self, epoch: int, step: int):
+        """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step`` (as
+        offline: the held-out split's one packing, the rank's share)."""
+        if step in self.planned.get(epoch, ([], {}))[1]:
+            slots = self.planned[epoch][1][step]
         else:
-            slots = self._slots(epoch, self.eval_rows, True)
+            slots = self._slots(epoch, self.eval_rows, True, step)
             self._queue(slots)
         return self._batches(slots)
 
@@ -309,35 +453,35 @@ class OnlineBatches:
             for i, (reason, is_open) in sorted(slot.failed.items()) if not slot.repeat and not slot.listed else ():
                 counts["open" if is_open else "dropped"] += 1
                 row = self.dataset.online_rows[i]
-                self.errors_log.write({"epoch": slot.epoch, **({"held_out": True} if slot.held_out else {}),
+                where = {"held_out": True, "step": slot.step} if slot.held_out else {"step": slot.step}
+                self.errors_log.write({"epoch": slot.epoch, **where, "rank": self.ranks.rank,
                                        **DroppedRow(self.manifest.input, i,
                                                     f"{'retryable: ' if is_open else ''}{reason}", row.id).to_json()})
             slot.listed = True
 
-    def _stop_message(self, slot: Slot, counts: dict, allowed: int) -> str:
-        i = next(i for i, (_, o) in slot.failed.items() if o)
-        return (f"epoch {slot.epoch + 1}: {counts['open']} samples not extracted after "
-                f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line "
-                f"{i + 1}: {slot.failed[i][0]}); allowed: {allowed} (--max-error-share "
-                f"{self.cfg.extract.max_error_share:g}); listed in {self.dd.train_online_errors}")
+    def _stop_message(self, slot: Slot) -> str:
+        missing = slot.open_failures
+        i = missing[0]
+        where = f"the evaluation after step {slot.step}" if slot.held_out else f"step {slot.step}"
+        return (f"epoch {slot.epoch + 1}: {len(missing)} sample(s) of {where} not extracted after "
+                f"{1 + self.cfg.extract.max_retries} attempts (row {self.dataset.online_rows[i].id}, line {i + 1}: "
+                f"{slot.failed[i][0]}); listed in {self.dd.train_online_errors}. A step never trains without a "
+                "sample no server gave: 04 stops before it")
 
     def stop_reason(self) -> str | None:
         """Waits for the rows this rank hands out next (the step's, and on CUDA the one copied during it) and says
-        whether handing them out would stop the source (SourceStopped's message; their failures are then listed),
+        whether one of them lacks a sample no server gave (SourceStopped's message; their failures are then listed),
         or None. Under torchrun every rank asks before each step and all stop at the same step (``train``)."""
         window = self.current[self.handed:self.handed + self.rows_at_once]
         if not window:
             return None
         counts = self.epochs[window[0].epoch]
-        allowed = errors_allowed(self.cfg.extract.max_error_share, counts["total"])
-        opened = counts["open"]
         for k, slot in enumerate(window):
             self._wait(slot, counts)
-            opened += 0 if slot.repeat or slot.listed else sum(o for _, o in slot.failed.values())
-            if opened > allowed:
+            if slot.open_failures:
                 for earlier in window[:k + 1]:
                     self._list_failures(earlier, counts)
-                return self._stop_message(slot, counts, allowed)
+                return self._stop_message(slot)
         return None
 
     def _batches(self, slots: list[Slot]):
@@ -345,15 +489,14 @@ class OnlineBatches:
         row's files (~1 GB at K2.5's 32768-token rows) in the training loop cost 12 % of the H200 step rate
         (BENCHMARKS.md, "One H200, K2.5 draft dims"); offline, the DataLoader's workers do it beside the step."""
         counts = self.epochs[slots[0].epoch] if slots else {}
-        allowed = errors_allowed(self.cfg.extract.max_error_share, counts.get("total", 0))
         abandoned = threading.Event()  # the loop stopped asking (an error, max_steps): the packer stops waiting
         packer = ThreadPoolExecutor(1, thread_name_prefix="online-pack")
         try:
-            ahead = packer.submit(self._pack, slots[0], counts, allowed, abandoned) if slots else None
+            ahead = packer.submit(self._pack, slots[0], counts, abandoned) if slots else None
             for k, slot in enumerate(slots):
                 batch = ahead.result()
                 if k + 1 < len(slots):
-                    ahead = packer.submit(self._pack, slots[k + 1], counts, allowed, abandoned)
+                    ahead = packer.submit(self._pack, slots[k + 1], counts, abandoned)
                 if not slot.held_out:
                     self.handed += 1
                     counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
@@ -363,15 +506,15 @@ class OnlineBatches:
             abandoned.set()
             packer.shutdown(wait=True, cancel_futures=True)
 
-    def _pack(self, slot: Slot, counts: dict, allowed: int, abandoned: threading.Event):
-        """Waits for the slot's files, lists its failures (stopping past --max-error-share), packs its row."""
+    def _pack(self, slot: Slot, counts: dict, abandoned: threading.Event):
+        """Waits for the slot's files, lists its failures (stopping at a sample no server gave), packs its row."""
         if not self._wait(slot, counts, abandoned):
             return None
         self._list_failures(slot, counts)
-        if counts["open"] > allowed:
+        if slot.open_failures:
             from .train import SourceStopped
 
-            raise SourceStopped(self._stop_message(slot, counts, allowed))
+            raise SourceStopped(self._stop_message(slot))
         slot.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
         batch = self.collate([slot.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline
         if slot.held_out:
@@ -395,41 +538,75 @@ class OnlineBatches:
         self.steps_done += 1
 
     def epoch_record(self, epoch: int) -> dict | None:
+        """The epoch's ``online`` record, every rank's counts together: under torchrun a collective, which every
+        rank calls (rank 0 writes it). Counts are summed; the spool's high-water mark and the wait are the largest
+        rank's (each rank has its own share); the cache's high-water mark is the sum of its owners'."""
         c = self.epochs.get(epoch)
-        if c is None:
-            return None
-        rows = self.planned.get(epoch, ([], []))[0]
+        rows = self.planned.get(epoch, ([], {}))[0]
         first = self.first_step.get(epoch, 0)
-        return {"kind": "online", "epoch": epoch, "samples_trained": c["samples"], "samples_extracted": c["extracted"],
-                "samples_dropped": c["dropped"], "samples_open": c["open"], "extract_wait_s": c["wait_s"],
-                # the prefetch across the boundary: the epoch's rows admitted to the spool before its first step
-                # began (while the epoch before it trained), and the step count at its first row's admission
-                "rows_admitted_early": sum(s.admitted_step < first for s in rows),
-                "first_row_admitted_at_step": rows[0].admitted_step if rows else None, "first_step": first,
-                "samples_from_cache": c["cached"], "cache_high_water_bytes": self.cache_high_water,
-                "cache_budget_bytes": self.cache_budget,
-                "spool_high_water_bytes": self.high_water, "spool_budget_bytes": self.budget,
-                "rank": self.ranks.rank}
+        mine = None if c is None else {
+            "samples_trained": c["samples"], "samples_extracted": c["extracted"], "samples_dropped": c["dropped"],
+            "samples_open": c["open"], "samples_from_cache": c["cached"], "extract_wait_s": c["wait_s"],
+            # the prefetch across the boundary: the epoch's rows admitted to the spool before its first step began
+            # (while the epoch before it trained), and the step count at its first row's admission
+            "rows_admitted_early": sum(s.admitted_step < first for s in rows),
+            "first_row_admitted_at_step": rows[0].admitted_step if rows else None,
+            "spool_high_water_bytes": self.high_water, "cache_high_water_bytes": self.cache_high_water}
+        every = [mine]
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            every = [None] * self.ranks.world
+            dist.all_gather_object(every, mine)
+        every = [r for r in every if r is not None]
+        if not every:
+            return None
+        out = {"kind": "online", "epoch": epoch, "ranks": self.ranks.world}
+        for key in ("samples_trained", "samples_extracted", "samples_dropped", "samples_open", "samples_from_cache",
+                    "rows_admitted_early", "cache_high_water_bytes"):
+            out[key] = sum(r[key] for r in every)
+        for key in ("extract_wait_s", "spool_high_water_bytes"):
+            out[key] = max(r[key] for r in every)
+        admitted = [r["first_row_admitted_at_step"] for r in every if r["first_row_admitted_at_step"] is not None]
+        out["first_row_admitted_at_step"] = max(admitted) if admitted else None
+        out["samples_trained_per_rank"] = [r["samples_trained"] for r in every]
+        out.update({"first_step": first, "cache_budget_bytes": self.cache_budget,
+                    "spool_budget_bytes": self.budget})  # the spool's: each rank's share
+        return out
 
     def close(self) -> None:
         self.stopping = True
         if self.thread.is_alive():
             self.thread.join(timeout=60)
-        self.errors_log.close()
+        if self.errors_log is not None:
+            self.errors_log.close()
         self.progress.close()
         if self.server is not None:
             self.server.stop()
             self.server = None
         shutil.rmtree(self.dd.train_spool_rank(self.ranks.rank), ignore_errors=True)
+        # the cache files this rank owns (every rank has read what it needs of them once it closes: its last step
+        # or evaluation was a collective with the others, after they read their last row); the last one out
+        # removes the folder
+        for f, owner in self.cache_owner.items():
+            if owner == self.ranks.rank:
+                for path in (self.cache_dir / f"hs_{f}.safetensors", self.dd.train_spool_cache_word(f)):
+                    for p in (path, Path(f"{path}.lock")):
+                        p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.cache_dir.rmdir()
         log.info("online: spool high-water mark %.3f GB of %.3f GB (this rank's share of train.spool_gb)",
                  self.high_water / 1e9, self.budget / 1e9)
 
     # ---- the prefetcher thread
 
     def _thread(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
+        """The prefetcher's event loop, run as asyncio.run does (its tasks cancelled and awaited, its async
+        generators and default executor shut down, the loop closed) whichever way ``_main`` ends."""
         try:
-            self.loop.run_until_complete(self._main(started))
+            with asyncio.Runner() as runner:
+                self.loop = runner.get_loop()
+                runner.run(self._main(started))
         except BaseException as e:  # noqa: BLE001 (handed to the training loop, which raises it)
             self.error = e if isinstance(e, (StageError, Exception)) else StageError(str(e))
         finally:
@@ -457,8 +634,8 @@ class OnlineBatches:
                 model, max_model_len = await ex.server_info()
                 items = [(i, r.id, r.input_ids) for i, r in enumerate(self.dataset.online_rows)]
                 refuse_rows_too_long(items, max_model_len, urls)
-                if self.ranks.main and ex_cfg.verify_tokens:
-                    await check_capture(ex, items, 0, OutputHead)  # every server, before the first step
+                if ex_cfg.verify_tokens:  # rank 0: every server before the first step; each rank: every server
+                    await check_capture(ex, items, 0, OutputHead, now=self.ranks.main)  # its pool takes back
                     shutil.rmtree(check_dir, ignore_errors=True)
                 log.info("online: states of the next rows from %s (model %s) into %s, %.3f GB for this rank, %d "
                          "requests in flight", ", ".join(urls), model, self.dd.train_spool_rank(self.ranks.rank),
@@ -467,30 +644,50 @@ class OnlineBatches:
                 await self._prefetch(ex)
 
     async def _prefetch(self, ex) -> None:
-        """Admit the queued slots in order while the budget allows; extract each admitted slot's samples."""
+        """Admit the queued slots in order while the budget allows; extract each admitted slot's samples. On the
+        way out, the slots still extracting are cancelled and awaited (no task left pending)."""
         gate = asyncio.Semaphore(self.cfg.extract.concurrency)
         tasks: set[asyncio.Task] = set()
-        while not self.stopping:
+        try:
+            while not self.stopping:
+                try:
+                    slots = await asyncio.wait_for(self.queue.get(), WAIT_POLL_S * 10)
+                except asyncio.TimeoutError:
+                    continue
+                for slot in slots:
+                    while not self.stopping:
+                        with self.lock:
+                            if self.reserved + slot.reserved <= self.budget:
+                                self.reserved += slot.reserved
+                                slot.admitted_step = self.steps_done
+                                break
+                        await asyncio.sleep(WAIT_POLL_S)
+                    if self.stopping:
+                        break
+                    slot.folder.mkdir(parents=True, exist_ok=True)
+                    task = asyncio.create_task(self._fill(ex, slot, gate))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _owner_word(self, f: int) -> int | None:
+        """The bytes of cached file ``f`` as its owner wrote and checked it, once it has (None: it could not).
+        This rank's own: from memory; another rank's: its word file, polled (the owner trains the row that keeps it
+        in an earlier step than any row reusing it, so the word comes while this rank still trains)."""
+        if self.cache_owner.get(f) == self.ranks.rank:
+            await self.cache_tried.setdefault(f, asyncio.Event()).wait()
+            return self.cache_sizes.get(f)
+        word, delay = self.dd.train_spool_cache_word(f), 0.005
+        while True:
             try:
-                slots = await asyncio.wait_for(self.queue.get(), WAIT_POLL_S * 10)
-            except asyncio.TimeoutError:
-                continue
-            for slot in slots:
-                while not self.stopping:
-                    with self.lock:
-                        if self.reserved + slot.reserved <= self.budget:
-                            self.reserved += slot.reserved
-                            slot.admitted_step = self.steps_done
-                            break
-                    await asyncio.sleep(WAIT_POLL_S)
-                if self.stopping:
-                    break
-                slot.folder.mkdir(parents=True, exist_ok=True)
-                task = asyncio.create_task(self._fill(ex, slot, gate))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        for task in list(tasks):
-            task.cancel()
+                said = json.loads(word.read_text())
+                return said.get("bytes")
+            except FileNotFoundError:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.25)
 
     async def _fill(self, ex, slot: Slot, gate: asyncio.Semaphore) -> None:
         from .extract_vllm import BadSample, check_file
@@ -522,31 +719,45 @@ class OnlineBatches:
                 return True
             return False
 
+        async def keep(i: int, cached: Path) -> bool:
+            """Sample i extracted into the cache by its owner (this rank), its word then given to the others."""
+            self.cache_sizes.pop(i, None)
+            try:
+                return await extract(i, cached)
+            finally:
+                size = self.cache_sizes.get(i)
+                _say(self.dd.train_spool_cache_word(i), {"bytes": size} if size is not None else
+                     {"failed": slot.failed.get(i, ("cancelled", True))[0]})
+
         async def from_cache(i: int, path: Path, cached: Path) -> None:
-            """A sample another row kept: its file checked again as stage 02 checks a written one, and its size
-            against the one written (a file changed or gone since is extracted into the cache again), then linked
-            into the row's folder."""
-            await self.cache_tried.setdefault(i, asyncio.Event()).wait()
+            """A sample an earlier row kept: its file checked again as stage 02 checks a written one, and its size
+            against the one its owner wrote, then linked into the row's folder. A file changed or gone since is
+            extracted again: into the cache by its owner, into the row's folder by another rank."""
+            size = await self._owner_word(i)
+            mine = self.cache_owner.get(i) == self.ranks.rank
             async with self.cache_locks.setdefault(i, asyncio.Lock()):
                 old = cached.stat().st_size if cached.exists() else 0
-                try:
-                    size, finite = check_file(cached, rows[i].input_ids, list(self.cfg.shared.aux_layer_ids),
-                                              self.manifest.num_layers, self.cfg.shared.hidden_size,
-                                              self.cfg.extract.storage_dtype)
-                    ok = finite and size == self.cache_sizes.get(i)  # check_file reads no states: a cut tail
-                except BadSample as e:
-                    ok = False
-                    if old:
-                        log.warning("online: cached %s fails its check (%s): extracting it again", cached, e)
-                if not ok:
-                    with self.lock:
-                        self.cache_on_disk -= old  # extract() deletes it first
-                    if not await extract(i, cached):
-                        return
-                else:
+                ok = False
+                if size is not None:
+                    try:
+                        got, finite = check_file(cached, rows[i].input_ids, list(self.cfg.shared.aux_layer_ids),
+                                                 self.manifest.num_layers, self.cfg.shared.hidden_size,
+                                                 self.cfg.extract.storage_dtype)
+                        ok = finite and got == size  # check_file reads no states: a cut tail
+                    except BadSample as e:
+                        if old:
+                            log.warning("online: cached %s fails its check (%s): extracting it again", cached, e)
+                if ok:
                     with self.lock:
                         counts["cached"] += counted
-                os.link(cached, path)
+                    os.link(cached, path)
+                elif not mine:  # the owner's file: left to its owner, this row gets its own
+                    await extract(i, path)
+                else:
+                    with self.lock:
+                        self.cache_on_disk -= old  # extract() deletes it first
+                    if await keep(i, cached):
+                        os.link(cached, path)
 
         async def one(i: int) -> None:  # i: the file index (the row of the rows dataset)
             path = slot.folder / f"hs_{i}.safetensors"  # the reader's name for file i (FileTransfer)
@@ -555,14 +766,14 @@ class OnlineBatches:
                 await from_cache(i, path, cached)
             elif i in slot.keeps:
                 try:
-                    if await extract(i, cached):
+                    if await keep(i, cached):
                         os.link(cached, path)
                 finally:
                     self.cache_tried.setdefault(i, asyncio.Event()).set()
             else:
                 await extract(i, path)
 
-        if slot.keeps:
+        if slot.keeps or slot.reuses:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         try:
             await asyncio.gather(*[one(i) for i in slot.files])

@@ -19,8 +19,14 @@ request's states, the per-file ``.lock`` the client waits on, the path a request
   final path, the request's own or the default, is type-checked and confined when the request is scheduled and again
   in the worker before anything is created; a refused request writes nothing, its reply carries
   ``kv_transfer_params.hidden_states_error``, and the engine goes on (a non-string path used to kill it);
-- it refuses to start on a vLLM outside the proven range or whose example connector lacks a name it overrides or
-  uses (``vllm_internals.py``).
+- it behaves the same on every vLLM from 0.26 to 0.33 (``vllm_internals.py`` names the range and refuses anything
+  else, or an example connector that lacks a name it overrides or uses): the hidden-state cache is read in the
+  layout the server uses ([blocks, block size, n, H] up to 0.28, [blocks, n, block size, H] from 0.29; chosen from
+  the layout the parent asks vLLM for, checked against the cache's shape when the caches are registered); a request
+  that has nothing to save (refused, or aborted before it was scheduled) frees its blocks at once and is never
+  reported as sent (0.26-0.30's parent popped its file name with no default and reported every finished request,
+  so a refusal or a client timeout on a queued request killed the engine there); only TP rank 0 reports a request
+  done (``get_finished_count`` 1, as 0.31+ does), once its rows are copied out.
 
 Extra config keys (``kv_connector_extra_config``): ``shared_storage_path`` (the stage's work folder, or a folder
 above it), ``storage_dtype`` ("bf16" or "fp8": the default; a request's ``kv_transfer_params`` may name its own),
@@ -47,7 +53,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from eagle3pipe.kv_gather import Done, gather_states, request_slots
 from eagle3pipe.records import HS_STORAGE_DTYPES, hidden_states_tensors, hs_file_metadata, save_tensors_atomic
-from eagle3pipe.vllm_internals import check_connector_class, check_connector_instance
+from eagle3pipe.vllm_internals import check_connector_class, check_connector_instance, states_block_dim
 
 logger = init_logger(__name__)
 
@@ -101,6 +107,7 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         self._storage_root = Path(os.path.realpath(self._storage_path))
         self._refused: dict[str, str] = {}  # scheduler: request id -> why it writes nothing
         self._worker_refused: dict[str, str] = {}  # worker: the same, found when creating its lock
+        self._block_dim = 2  # worker: the cache dimension of the offset inside a block (register_kv_caches)
 
     # -- scheduler side -------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output):
@@ -127,22 +134,66 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         return meta
 
     def request_finished(self, request, block_ids):
-        problem = self._refused.pop(request.request_id, None)
-        if problem is not None:
-            super().request_finished(request, block_ids)  # no file name recorded: no save, blocks freed at once
-            return False, {"hidden_states_error": f"refused: {problem}"}
+        req_id = request.request_id
+        problem = self._refused.pop(req_id, None)
+        if req_id not in self._request_filenames:  # refused, or aborted before it was ever scheduled: nothing to save
+            self._pending_saves.pop(req_id, None)
+            return False, ({"hidden_states_error": f"refused: {problem}"} if problem is not None else None)
         delay, params = super().request_finished(request, block_ids)
-        pending = self._pending_saves.get(request.request_id)
+        pending = self._pending_saves.get(req_id)
         if pending is not None:
             dtype = (request.kv_transfer_params or {}).get("storage_dtype", self.storage_dtype)
             if dtype not in HS_STORAGE_DTYPES:
-                logger.warning("request %s asked for storage_dtype %r: using %s", request.request_id, dtype,
-                               self.storage_dtype)
+                logger.warning("request %s asked for storage_dtype %r: using %s", req_id, dtype, self.storage_dtype)
                 dtype = self.storage_dtype
-            self._pending_saves[request.request_id] = Eagle3PendingSave(**vars(pending), storage_dtype=dtype)
+            self._pending_saves[req_id] = Eagle3PendingSave(**vars(pending), storage_dtype=dtype)
         return delay, params
 
+    def request_finished_all_groups(self, request, block_ids):
+        """The blocks of the hidden-state group; a request with no block table (never scheduled) saves nothing."""
+        if not 0 <= self._cache_kv_group_id < len(block_ids):
+            self._request_filenames.pop(request.request_id, None)
+            return self.request_finished(request, [])
+        return self.request_finished(request, block_ids[self._cache_kv_group_id])
+
+    def get_finished_count(self) -> int:
+        """Only TP rank 0 copies and writes, so only it reports a request done: one report per request."""
+        return 1
+
     # -- worker side ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        layout = type(self).get_required_kvcache_layout(self._vllm_config)
+        self._block_dim = states_block_dim(layout, tuple(self._kv_cache.shape), self._block_size,
+                                           len(self._captured_layers()[0]))
+        logger.info("hidden-state cache %s, layout %s: block offsets in dimension %d", list(self._kv_cache.shape),
+                    layout, self._block_dim)
+
+    def get_finished(self, finished_req_ids):
+        """Start the copy and write of each request the scheduler delayed (the metadata's pending saves), then report
+        done the ones whose rows are out of the cache (their blocks can be freed; the client waits on the file's
+        lock for the write). Requests that saved nothing are never reported: the scheduler freed them already."""
+        if self.has_connector_metadata():
+            metadata = self._get_connector_metadata()
+            if isinstance(metadata, ExampleHiddenStatesConnectorMetadata):
+                for pending in metadata.pending_saves:
+                    self._submit_async_write(pending)
+        self._accumulated_finished_req_ids.update(finished_req_ids)
+        done = set()
+        for req_id in list(self._accumulated_finished_req_ids):
+            event = self._req_copy_events.get(req_id)
+            if event is not None and not event.query():
+                continue  # still copying
+            self._req_copy_events.pop(req_id, None)
+            self._accumulated_finished_req_ids.discard(req_id)
+            if event is not None:
+                done.add(req_id)
+            lock_fd = self._lock_fds.pop(req_id, None)  # a request that ended without a save (aborted)
+            if lock_fd is not None:
+                os.close(lock_fd)
+            self._worker_refused.pop(req_id, None)
+        return done or None, None
+
     def wait_for_save(self) -> None:
         """The parent's lock pre-creation (before the client hears the path), each path checked again first and
         each failure logged instead of raised (an exception here stops the engine)."""
@@ -186,7 +237,7 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         slots = request_slots(pending.block_ids, self._block_size)
         with gpu_sync_allowed():  # the slot list goes up to the GPU once per request, as in vLLM's example
             event, states, scales, finite = gather_states(cache, slots, pending.token_ids.shape[0],
-                                                          pending.storage_dtype, stream)
+                                                          pending.storage_dtype, stream, self._block_dim)
         tensors = hidden_states_tensors(states, pending.token_ids.clone(), pending.storage_dtype, scales)
         future = self._executor.submit(self._write_tensors, tensors, event, pending.filename, lock_fd, finite,
                                        *self._captured_layers())

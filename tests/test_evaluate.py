@@ -215,13 +215,6 @@ def test_eval_report_round_trip_markdown_and_plot(tmp_path):
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_server_commands_in_the_report_hide_an_api_key():
-    from eagle3pipe.evaluate import _redacted
-
-    assert _redacted(["python", "--api-key", "s3cret", "--port", "1", "--api-key=x"]) == \
-        ["python", "--api-key", "***", "--port", "1", "--api-key=***"]
-
-
 def test_check_eval_report_rejects_wrong_position_count():
     report = _report(k=3)
     report["num_speculative_tokens"] = 4
@@ -292,8 +285,10 @@ sys.exit(1)
 '''
 
 
-def _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, env_extra: dict, *flags: str):
-    """05_evaluate.py's door (run_stage with argv) against the stand-in interpreter; (exit code, stderr, starts)."""
+def _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, env_extra: dict, *flags: str, verifier: Path | None = None,
+                             hidden_size_flag: bool = True):
+    """05_evaluate.py's door (run_stage with argv) against the stand-in interpreter; (exit code, stderr, starts).
+    The verifier: ``verifier``, else a folder holding a Llama config.json of hidden size 128 (the toy drafts')."""
     import sys
 
     from eagle3pipe.cli import run_stage
@@ -308,15 +303,19 @@ def _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, env_extra: dict, *fl
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     draft = make_flat_checkpoint(tmp_path / "draft")
-    (tmp_path / "verifier").mkdir(exist_ok=True)
+    if verifier is None:
+        verifier = tmp_path / "verifier"
+        verifier.mkdir(exist_ok=True)
+        (verifier / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128}))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     for key in ("FAKE_VLLM_PROBE", "FAKE_VLLM_HANG"):
         monkeypatch.delenv(key, raising=False)
     for key, value in {"EAGLE3PIPE_VLLM_PYTHON": str(fake), "FAKE_VLLM_RECORD": str(record), **env_extra}.items():
         monkeypatch.setenv(key, value)
     code = run_stage("evaluate", "05_evaluate", run_evaluate, None, [
-        "--data-dir", str(tmp_path / "data"), "--verifier", str(tmp_path / "verifier"), "--draft", str(draft),
-        "--prompts", str(prompts), "--num-prompts", "1", "--hidden-size", "128", "--no-baseline", *flags])
+        "--data-dir", str(tmp_path / "data"), "--verifier", str(verifier), "--draft", str(draft),
+        "--prompts", str(prompts), "--num-prompts", "1", *(["--hidden-size", "128"] if hidden_size_flag else []),
+        "--no-baseline", *flags])
     starts = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return code, capsys.readouterr().err, starts
 
@@ -421,3 +420,58 @@ def test_errors_before_any_server_starts(tmp_path, monkeypatch, capsys):
         assert code == 2 and starts == [], (flags, err)
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and words in lines[0], (flags, err)
+
+
+def test_a_draft_is_judged_against_the_served_verifiers_own_hidden_size(tmp_path, monkeypatch, capsys, toy_kimi):
+    """Issue 26 item 12: `05 --verifier X --draft Y` without --hidden-size compared Y with shared.hidden_size's
+    default (7168) and refused a draft that fits X ("the verifier's is 7168 ... a draft for another target"). The
+    verifier's own config.json is the truth (K2.5's nested text_config included): a fitting draft goes on to the
+    server start, a wider one is refused naming the verifier's config and its hidden size."""
+    from tests.test_draft_fixtures import TOY_HIDDEN
+
+    plain, wrapped = tmp_path / "plain", tmp_path / "wrapped"
+    for root, verifier in ((plain, None), (wrapped, toy_kimi)):
+        code, err, starts = _evaluate_with_fake_vllm(root, monkeypatch, capsys, {"FAKE_VLLM_PROBE": CPU_BUILD},
+                                                     verifier=verifier, hidden_size_flag=False)
+        (error,) = [line for line in err.splitlines() if line.startswith("error:")]
+        assert "vLLM exited with status 1 during start-up" in error and len(starts) == 1, err  # checked, started
+    wide = _refused_drafts(tmp_path / "drafts")["wide"][0]
+    code, err, starts = _evaluate_with_fake_vllm(tmp_path / "k25_wide", monkeypatch, capsys,
+                                                 {"FAKE_VLLM_PROBE": CPU_BUILD}, "--draft", str(wide),
+                                                 verifier=toy_kimi, hidden_size_flag=False)
+    assert code == 2 and starts == []
+    assert f"hidden_size 256, the verifier's is {TOY_HIDDEN} ({toy_kimi / 'config.json'})" in err, err
+
+
+def test_draft_provenance_and_the_anchors_figures(tmp_path):
+    """Issue 29: 05's report says where each draft came from (04's provenance.json: beside final/, inside an
+    --export-from folder; nothing for a folder 04 did not write) and, for the named benchmarks, the anchors'
+    published acceptance lengths (REFERENCE.md's) with their settings."""
+    import time
+
+    from eagle3pipe.evaluate import anchor_figures, draft_provenance
+    from eagle3pipe.records import write_provenance
+
+    checkpoints = tmp_path / "checkpoints"
+    for folder in ("final", "export_step_4", "a_copy"):
+        (checkpoints / folder).mkdir(parents=True)
+    counts = {"steps": 10, "trained_steps": 12, "rows_per_step": 8, "samples": 100, "export": "best"}
+    write_provenance(checkpoints / "provenance.json", stage="train", config_hash="abc123", config={}, inputs=[],
+                     counts=counts, started=time.time())
+    write_provenance(checkpoints / "export_step_4" / "provenance.json", stage="train", config_hash="abc123",
+                     config={}, inputs=[], counts={"steps": 4, "rows_per_step": 8, "samples": 100,
+                                                   "export": "export_from step_4"}, started=time.time())
+    final = draft_provenance(checkpoints / "final")
+    assert {k: final[k] for k in ("steps", "trained_steps", "rows_per_step", "samples", "export", "config_hash")} == \
+        {**counts, "config_hash": "abc123"}
+    step4 = draft_provenance(checkpoints / "export_step_4")
+    assert step4["steps"] == step4["trained_steps"] == 4 and step4["export"] == "export_from step_4"
+    assert draft_provenance(checkpoints / "a_copy") is None  # checkpoints/provenance.json is final/'s alone
+    assert draft_provenance(tmp_path) is None and draft_provenance(None) is None
+    anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
+    assert [(a["draft"], a["acceptance_length"]) for a in anchors] == [
+        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.20, "mtbench": 2.69}),
+        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.27, "mtbench": 2.39})]
+    assert all("k = 3" in a["settings"] and not a["note"] for a in anchors)
+    assert "not comparable" in anchor_figures(["math500"], 5)[0]["note"]
+    assert anchor_figures(["held_out"], 3) == []

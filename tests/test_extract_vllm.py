@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -38,6 +39,7 @@ from eagle3pipe.extract import run_extract
 from eagle3pipe.records import (
     DataDir,
     hs_file_metadata,
+    is_hs_attempt_file,
     load_hidden_states,
     load_hs_journal,
     load_hs_manifest,
@@ -77,7 +79,7 @@ def vllm_cfg(data_dir: Path, verifier: Path, urls: list[str] | None = None, **ex
 
 
 def start_extraction_server(model: Path, storage: Path, log_dir: Path, ids: list[int] | None = None,
-                            trust_remote_code: bool = False) -> VllmServer:
+                            trust_remote_code: bool = False, served_model_name: str | None = None) -> VllmServer:
     """An extraction server as the stage starts one (extract_vllm.server_args), writing inside ``storage``;
     ``ids`` overrides the layer ids it captures (the wrong-configuration drill)."""
     cfg = vllm_cfg(storage, model)
@@ -87,7 +89,7 @@ def start_extraction_server(model: Path, storage: Path, log_dir: Path, ids: list
         spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         args[1] = json.dumps(spec)
     server = VllmServer(model, extra_args=args, log_file=log_dir / "vllm.log", trust_remote_code=trust_remote_code,
-                        env={"PYTHONPATH": str(REPO)})
+                        env={"PYTHONPATH": str(REPO)}, served_model_name=served_model_name)
     return server.start()
 
 
@@ -230,11 +232,12 @@ def layer_by_layer(model, states: torch.Tensor, ids: list[int]) -> list[tuple[to
 MOE_ROWS = {"n": 10, "seed": 5, "min_len": 12, "max_len": 48}
 
 
-def _moe_extract(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False) -> list[dict]:
+def _moe_extract(storage: Path, toy: Path, name: str, urls: list[str], trust_remote_code: bool = False,
+                 **extract) -> list[dict]:
     """The MoE rows through the vLLM backend (``<name>_vllm``) and the transformers backend (``<name>_ref``)."""
     rows = write_rows(storage / f"{name}_vllm", **MOE_ROWS)
     write_rows(storage / f"{name}_ref", **MOE_ROWS)
-    cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls)
+    cfg = vllm_cfg(storage / f"{name}_vllm", toy, urls, **extract)
     cfg.shared.trust_remote_code = trust_remote_code
     run_extract(cfg)
     run_extract(make_cfg(storage / f"{name}_ref", toy))
@@ -261,26 +264,91 @@ def _moe_gate(storage: Path, toy: Path, name: str, rows: list[dict]) -> None:
     assert all(margins[i] < ROUTER_NEAR_TIE for i in outliers), "an outlier not explained by a router near-tie"
 
 
-def test_moe_deepseek_v3_states_layer_by_layer(storage, toy_deepseek, tmp_path_factory):
-    server = start_extraction_server(toy_deepseek, storage, tmp_path_factory.mktemp("vllm_x_ds"))
-    try:
-        rows = _moe_extract(storage, toy_deepseek, "deepseek", [server.url])
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def deepseek_server(toy_deepseek, toy_llama, storage, tmp_path_factory):
+    """The toy DeepseekV3 (same hidden size and layer count as the toy Llama) served under the toy Llama's name: the
+    MoE extraction below, and the node that comes back with other weights under the same name (item 6 drills)."""
+    server = start_extraction_server(toy_deepseek, storage, tmp_path_factory.mktemp("vllm_x_ds"),
+                                     served_model_name=str(toy_llama))
+    yield server
+    server.stop()
+
+
+def test_moe_deepseek_v3_states_layer_by_layer(storage, toy_deepseek, deepseek_server):
+    rows = _moe_extract(storage, toy_deepseek, "deepseek", [deepseek_server.url])
     _moe_gate(storage, toy_deepseek, "deepseek", rows)
+
+
+@pytest.mark.parametrize("node", ["restarts", "joins_late"])
+def test_a_node_with_other_weights_under_the_same_name_gets_no_sample(storage, toy_llama, llama_server,
+                                                                      deepseek_server, node, monkeypatch):
+    """Issue 26 item 6. A node that restarts (after 6 answers) as a server of other weights under the same name and
+    max_model_len (the toy DeepseekV3 served as the toy Llama), or one down at the start that joins as that server:
+    before, the pool took it back once /health answered (the capture check ran only at the start, on the servers
+    up then) and it got bulk samples, its states journalled as the Llama's. Now /v1/models is read again and the
+    capture check runs on it alone before it gets any: the stage stops, naming it, and it got the check's requests
+    only (those with prompt_logprobs)."""
+    from eagle3pipe import server as server_mod
+
+    from test_server_pool import NodeRelay
+
+    monkeypatch.setattr(server_mod, "PROBE_FIRST_S", 0.05)  # the late node is looked at again at once
+    rows = write_rows(storage / f"other_weights_{node}", 40, seed=17, min_len=32, max_len=96)
+    if node == "restarts":
+        relay = NodeRelay(llama_server.url, then=deepseek_server.url, switch_after=6)
+        relays = [relay]
+    else:  # the other node's bulk requests wait until this one's check was answered (and judged): no race
+        relay = NodeRelay(deepseek_server.url, down_at_start=True)
+        relays = [NodeRelay(llama_server.url, hold_bulk_until=relay.checked), relay]
+    dd = DataDir(storage / f"other_weights_{node}")
+    try:
+        with pytest.raises(StageError, match="capture check failed") as e:
+            run_extract(vllm_cfg(dd.root, toy_llama, [r.url for r in relays], concurrency=1 if node == "restarts"
+                                 else 2, verify_tokens=64, max_retries=3, retry_backoff_s=1.0))
+    finally:
+        for r in relays:
+            r.close()
+    print(f"\n{node}: {e.value}")
+    failing = str(e.value).split(" top-1 next token at ", 1)[1].split(", near-ties", 1)[0]
+    assert failing.startswith(f"{relay.url}: ") and ";" not in failing  # that node alone
+    assert "checked alone as it joined" in str(e.value)
+    assert relay.posts[deepseek_server.url, False] == 0  # no bulk request reached it
+    assert relay.posts[deepseek_server.url, True] >= 1  # the check's
+    journalled = [e for j in dd.hs_work.glob("shard_*/done.jsonl") for e in load_hs_journal(j)]
+    assert len(journalled) < len(rows) and load_hs_manifest(dd.hs_manifest) is None
+
+
+K25_SERVER_ARGS = ["--max-num-seqs", 8]  # extract.server_args as YAML gives a list (issue 29), the 8 a number
+K25_API_KEY = "k-" + os.urandom(8).hex()
 
 
 @pytest.fixture(scope="module")
 def k25_rows(storage, toy_kimi) -> list[dict]:
     """The release-shaped K2.5 toy's rows through stage 02 with no URL: the stage starts vLLM itself
-    (--trust-remote-code, the connector on PYTHONPATH); states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
-    return _moe_extract(storage, toy_kimi, "k25", [], trust_remote_code=True)
+    (--trust-remote-code, the connector on PYTHONPATH, extract.server_args a list) with $VLLM_API_KEY set, which
+    that server then requires and our client sends; states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
+    from eagle3pipe.server import API_KEY_ENV
+
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = K25_API_KEY
+    try:
+        return _moe_extract(storage, toy_kimi, "k25", [], trust_remote_code=True, server_args=K25_SERVER_ARGS)
+    finally:
+        if before is None:
+            del os.environ[API_KEY_ENV]
+        else:
+            os.environ[API_KEY_ENV] = before
 
 
 def test_moe_release_shaped_k25_with_the_server_the_stage_starts(storage, toy_kimi, k25_rows):
     _moe_gate(storage, toy_kimi, "k25", k25_rows)
     log = (storage / "k25_vllm/logs/02_vllm_server.log").read_text()
     assert "Eagle3HiddenStatesConnector" in log and "'trust_remote_code': True" in log
+    assert "'max_num_seqs': 8" in log  # the server_args list reached vLLM
+    # issue 26 item 8: the key is in no file of the run (states, manifest, provenance, errors, the server's log)
+    written = [p for p in (storage / "k25_vllm").rglob("*") if p.is_file()]
+    assert DataDir(storage / "k25_vllm").hs_manifest in written
+    assert [p for p in written if K25_API_KEY.encode() in p.read_bytes()] == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,8 +378,9 @@ def k25_train_cfg(data_dir: Path, toy: Path, **train):
 
 class SpoolKeeper(threading.Thread):
     """Hard-links every states file that appears in 04's spool (``<epoch>/hs_<i>.safetensors`` under ``keep``)
-    before the step that used it deletes it: the online run's own extraction of each row, each epoch. The
-    connector renames a file into place once written, so a name that exists is a whole file."""
+    before the step that used it deletes it: the online run's own extraction of each row, each epoch. The client
+    renames a request's file (``records.hs_attempt_file``, skipped here) to the sample's name once checked, so a
+    sample's name that exists is a whole, checked file."""
 
     def __init__(self, spool: Path, keep: Path):
         super().__init__(daemon=True)
@@ -322,6 +391,8 @@ class SpoolKeeper(threading.Thread):
 
         while not self.stop.is_set():
             for path in list(self.spool.glob("rank_0/epoch_*_row_*/hs_*.safetensors")):
+                if is_hs_attempt_file(path):
+                    continue
                 epoch = path.parent.name.split("_")[1]
                 target = self.keep / epoch / path.name
                 if not target.exists():

@@ -12,15 +12,19 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import sys
 import threading
+import time
+import zlib
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
 import torch
 
-from eagle3pipe.cli import StageError, run_stage
+from eagle3pipe.cli import StageError, StageInterrupted, run_stage
 from eagle3pipe.extract import STAGE, run_extract
 from eagle3pipe.records import (
     HS_META_FINITE,
@@ -37,8 +41,16 @@ from test_extract import AUX, make_cfg, write_rows
 from test_generate import REPO, DyingStub, StubHTTPServer, run_door_through_a_restart
 
 MAX_MODEL_LEN = 30
+LATE_HOLD_S = 1.5  # how long the stub keeps a request it will write late: past the doors' --request-timeout-s 1
 NUM_LAYERS = 8
 RIGHT_IDS = AUX + [NUM_LAYERS]
+
+
+def stub_states(ids) -> torch.Tensor:
+    """The states the stub computes for a prompt: a function of its token ids alone, so a test has each row's own
+    states to compare a file with (random-looking: they never agree with a verifier's top-1)."""
+    g = torch.Generator().manual_seed(zlib.crc32(json.dumps(list(ids)).encode()))
+    return torch.randn(len(ids), 4, 128, generator=g)
 
 
 class StubExtractionServer(DyingStub):
@@ -46,7 +58,10 @@ class StubExtractionServer(DyingStub):
     asks, with our connector's metadata (``layer_ids`` captured from a ``NUM_LAYERS``-layer verifier, or ``meta``).
     ``bad(ids)`` says which prompts get a file with other token ids; ``dtype`` is what it stores. Faults a rerun
     must survive, switched per prompt through the sets: ``no_file`` (the writer failed: vLLM only logs it) and
-    ``hold_lock`` (a lock held past the client's wait: a slow disk). ``prompt_logprobs`` are answered claiming the
+    ``hold_lock`` (a lock held past the client's wait: a slow disk); ``late``: the prompt's first request gets no
+    reply before the client gives up, and its file (other states: ``-stub_states``) is written late, as vLLM's
+    connector writes an aborted request's, when the next request after its retry's reply arrives
+    (``late_written``: where). ``prompt_logprobs`` are answered claiming the
     row's next token as top-1 (random states never agree with that: a wrong capture). ``die_after``: after that
     many completions it dies as a crashed node does (no reply, then the port refuses); ``port``: where it listens
     (0: a free one)."""
@@ -58,6 +73,10 @@ class StubExtractionServer(DyingStub):
         self.no_file: set[tuple] = set()
         self.hold_lock: set[tuple] = set()
         self.held: list[int] = []  # fds of the locks held
+        self.late: set[tuple] = set()
+        self.late_paths: dict[tuple, str] = {}  # prompt: the path its first (given up) request named
+        self.late_due: tuple | None = None  # (path, ids) of the late write the next request triggers
+        self.late_written: str | None = None
         self.die_after, self.posts, self.lock = die_after, 0, threading.Lock()
         stub = self
 
@@ -83,20 +102,36 @@ class StubExtractionServer(DyingStub):
                     if stub.dies_now(self):
                         return  # no reply: the client sees the connection drop
                 ids, path = body["prompt"], body["kv_transfer_params"]["hidden_states_path"]
-                stub.requests[tuple(ids)] += 1
+                with stub.lock:
+                    stub.requests[tuple(ids)] += 1
+                    first = stub.requests[tuple(ids)] == 1
+                    late_due, stub.late_due = stub.late_due, None
+                if late_due is not None:  # the aborted request's write, after its retry's file was checked
+                    late_path, late_ids = late_due
+                    save_hidden_states(late_path, -stub_states(late_ids), torch.tensor(late_ids), dtype,
+                                       metadata=hs_file_metadata(layer_ids, NUM_LAYERS))
+                    stub.late_written = late_path
+                if tuple(ids) in stub.late and first:
+                    stub.late_paths[tuple(ids)] = path
+                    time.sleep(LATE_HOLD_S)  # past the client's timeout: it gives up, vLLM would abort the request
+                    self.close_connection = True
+                    return
                 if tuple(ids) in stub.hold_lock:
                     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
                     fcntl.flock(fd, fcntl.LOCK_EX)
                     stub.held.append(fd)
                 elif tuple(ids) not in stub.no_file:
                     stored = [i + 1 for i in ids] if bad(ids) else ids
-                    save_hidden_states(path, torch.randn(len(ids), 4, 128), torch.tensor(stored), dtype,
+                    save_hidden_states(path, stub_states(ids), torch.tensor(stored), dtype,
                                        metadata=meta if meta is not None else hs_file_metadata(layer_ids, NUM_LAYERS))
                 choice = {"index": 0, "text": "x", "finish_reason": "length"}
                 if body.get("prompt_logprobs"):
                     choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.1, "rank": 1}} for t in ids[1:]]
                 self._reply({"id": "c", "object": "text_completion", "model": model, "kv_transfer_params":
                              {"hidden_states_path": path}, "choices": [choice]})
+                if tuple(ids) in stub.late_paths:  # the retry is answered: the given-up request's write comes next
+                    with stub.lock:
+                        stub.late_due = (stub.late_paths.pop(tuple(ids)), ids)
 
         self.httpd = StubHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -224,6 +259,135 @@ def test_open_samples_within_the_error_share_are_listed_and_a_rerun_retries_them
         stub.close()
     _assert_complete(tmp_path, rows)
     assert [stub.requests[_ids(r)] for r in rows] == [4 if i == 2 else 1 for i in range(10)]
+
+
+def _assert_each_file_holds_its_row(data_dir, rows) -> None:
+    """hidden_states/ finished with every row, and hs_i holds row i's own token ids and states (the stub's states are
+    a function of the row's ids: stub_states is the per-row reference)."""
+    dd = DataDir(data_dir)
+    manifest = load_hs_manifest(dd.hs_manifest)
+    assert (manifest.num_samples, manifest.num_dropped, manifest.num_retryable) == (len(rows), 0, 0)
+    for i, r in enumerate(rows):
+        data = load_hidden_states(dd.hs_file(i))
+        assert data["token_ids"].tolist() == r["input_ids"], f"hs_{i} holds another row's token ids"
+        assert torch.equal(data["hidden_states"], stub_states(r["input_ids"]).to(torch.bfloat16)), \
+            f"hs_{i} does not hold row {i}'s own states"
+
+
+def _interrupt_finalize_after(monkeypatch, dd, renames: int) -> list:
+    """SIGTERM's effect (cli's StageInterrupted) after ``renames`` of finalize's renames into hidden_states/: the
+    os.replace of every other write goes through."""
+    real_replace, done = os.replace, []
+
+    def replace(src, dst, **kw):
+        into_output = Path(dst).parent == dd.hs_files
+        if into_output and len(done) >= renames:
+            raise StageInterrupted(128 + signal.SIGTERM)
+        real_replace(src, dst, **kw)
+        if into_output:
+            done.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return done
+
+
+def test_an_interrupted_finalize_with_a_sample_left_open_pairs_every_file_with_its_row(tmp_path, toy_llama, capsys,
+                                                                                      monkeypatch):
+    """Issue 26 item 1. --max-error-share 0.1 leaves row 2 open, so finalize numbers the files without it (row 3 ->
+    hs_2, ...); SIGTERM lands after 5 of its 9 renames. The rerun extracts row 2 and finishes: every hs_i must hold
+    row i's token ids and states. Before the finalize plan, the rerun renumbered from its own journals: row 2's file
+    overwrote hs_2 (row 3's states), hs_3 and hs_4 kept rows 4 and 5, and a third run finished with them."""
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        renamed = _interrupt_finalize_after(monkeypatch, dd, 5)
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        monkeypatch.undo()
+        assert code == 128 + signal.SIGTERM and len(renamed) == 5, err
+        assert load_hs_manifest(dd.hs_manifest) is None
+        stub.heal()
+        runs = []
+        while len(runs) < 3 and (not runs or runs[-1][0] == 2):  # as a user would: rerun while told to
+            runs.append(_door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1"))
+    finally:
+        stub.close()
+    assert runs[-1][0] == 0, runs[-1][1]
+    _assert_each_file_holds_its_row(tmp_path, rows)
+    assert len(runs) == 1, [err.strip().splitlines()[-1] for _, err in runs]  # one rerun, nothing lost on the way
+    assert not list(dd.hs_shard(0).glob("*.safetensors")) and not list(dd.hs_shard(1).glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("left", ["interrupted", "finished"])
+def test_an_output_of_the_code_before_the_finalize_plan(tmp_path, toy_llama, capsys, monkeypatch, left):
+    """An output with no finalize plan (work/finalize.json), as the code before issue 26 left one, row 2 open: when
+    its finalize was interrupted (files already renumbered without row 2), the rerun refuses, naming the first file
+    that holds another row and --overwrite, and renames nothing; when it finished, the rerun's reopen takes the plan
+    from the journals (the ones that finalize renamed from) and every file ends with its row."""
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        if left == "interrupted":
+            _interrupt_finalize_after(monkeypatch, dd, 5)
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        monkeypatch.undo()
+        assert code == (128 + signal.SIGTERM if left == "interrupted" else 0), err
+        dd.hs_finalize_plan.unlink()
+        before = {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")}
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+    finally:
+        stub.close()
+    if left == "finished":
+        assert code == 0, err
+        _assert_each_file_holds_its_row(tmp_path, rows)
+        return
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {dd.hs_file(3)} holds other token ids than row row3 (line 4)"), err
+    assert last.endswith("Rerun with --overwrite to extract them again")
+    assert {p.name: p.read_bytes() for p in dd.hs_files.glob("*.safetensors")} == before  # nothing renamed
+    assert load_hs_manifest(dd.hs_manifest) is None
+
+
+def test_a_late_write_of_an_aborted_attempt_never_replaces_the_checked_file(tmp_path, toy_llama, capsys):
+    """Issue 26 item 2. The longest row's first request gets no reply within --request-timeout-s (the client gives
+    up; vLLM aborts the request and its connector still writes the file): the retry's file is checked and kept,
+    then the aborted attempt's file lands, with other states, before the next sample is sent. Every hs_i must hold
+    its row's own states (before: both attempts named the same path, and the late write replaced the checked file),
+    and no attempt's file is left anywhere in hidden_states/."""
+    rows = write_rows(tmp_path, 6, seed=8, min_len=4, max_len=20)
+    longest = max(rows, key=lambda r: len(r["input_ids"]))  # sent first (longest first), with more to follow
+    stub = StubExtractionServer()
+    stub.late = {_ids(longest)}
+    dd = DataDir(tmp_path)
+    try:
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--concurrency", "1")
+    finally:
+        stub.close()
+    assert code == 0, err
+    assert stub.requests[_ids(longest)] == 2 and stub.late_written is not None  # the late write happened
+    _assert_each_file_holds_its_row(tmp_path, rows)
+    assert sorted(p.name for p in dd.hs_files.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(len(rows)))
+    left = [p for p in dd.hs_work.rglob("*") if p.is_file() and p.name not in ("done.jsonl", "run.json",
+                                                                                "finalize.json")]
+    assert left == [], left
+
+
+def test_check_file_refuses_states_shorter_than_the_token_ids(tmp_path):
+    """Issue 26 item 2 (stage 02's side): a file with the row's token ids and metadata but 16 fewer state rows."""
+    from eagle3pipe.extract_vllm import BadSample, check_file
+    from eagle3pipe.records import save_tensors_atomic
+
+    ids = list(range(40))
+    path = tmp_path / "hs_0.safetensors"
+    save_tensors_atomic(path, {"hidden_states": stub_states(ids)[:-16].to(torch.bfloat16).contiguous(),
+                               "token_ids": torch.tensor(ids)}, hs_file_metadata(RIGHT_IDS, NUM_LAYERS))
+    with pytest.raises(BadSample, match=r"hidden_states \(24, 4, 128\), expected \(40, 4, 128\)") as e:
+        check_file(path, ids, AUX, NUM_LAYERS, 128, "bf16")
+    assert e.value.kind == BadSample.PERMANENT
 
 
 def test_a_journalled_file_gone_missing_is_re_extracted_alone(tmp_path, toy_llama, capsys):
@@ -359,3 +523,35 @@ def test_a_server_capturing_other_layers_or_without_the_finite_flag_stops_the_st
         assert "its metadata lacks ['all_finite']" in last
     assert sum(stub.requests.values()) <= 3  # the requests already in flight, no retries, nothing more
     assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None
+
+
+# -- issue 26 item 6: a server taken back must serve what the run started with ---------------------------------------
+
+
+@pytest.mark.parametrize("back_as", ["another_model", "a_shorter_context"])
+def test_a_server_back_with_another_model_or_a_shorter_context_gets_no_sample(tmp_path, toy_llama, back_as):
+    """Stage 02's only server dies after 4 samples and a server listens on its port at once, serving another model,
+    or the same one with a max_model_len below the one the rows were checked against. Before, the pool took it back
+    without reading /v1/models again (it had answered before) and sent it every other sample; now it names the
+    server and what it serves, leaves it aside, and the stage stops with the rest open (exit 2)."""
+    rows = write_rows(tmp_path, 16, seed=5, min_len=4, max_len=MAX_MODEL_LEN - 2)
+    dying = StubExtractionServer(die_after=4)
+    port = dying.httpd.server_address[1]
+    argv = [sys.executable, str(REPO / "02_extract_hidden_states.py"), "--data-dir", str(tmp_path), "--verifier",
+            str(toy_llama), "--input", "prepared", "--aux-layer-ids", *map(str, AUX), "--hidden-size", "128",
+            "--backend", "vllm", "--extract-url", dying.url, "--verify-tokens", "0", "--max-retries", "2",
+            "--retry-backoff-s", "1", "--concurrency", "4"]  # each sample's last attempt after the first probe (1 s)
+    back = {"model": "other"} if back_as == "another_model" else {"max_model_len": MAX_MODEL_LEN - 10}
+    try:
+        code, err, revived = run_door_through_a_restart(argv, tmp_path / "02.err", dying,
+                                                        lambda: StubExtractionServer(port=port, **back))
+    finally:
+        dying.close()
+    revived.close()
+    why = ("serves other, not stub" if back_as == "another_model"
+           else f"max_model_len {MAX_MODEL_LEN - 10}, less than the {MAX_MODEL_LEN} the run started with")
+    assert sum(revived.requests.values()) == 0, err[-3000:]
+    assert f"{dying.url} answers again but {why}: left aside" in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "samples are not extracted after 3 attempts" in last and why in last, last
+    assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None and len(rows) == 16

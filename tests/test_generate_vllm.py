@@ -336,29 +336,65 @@ def test_a_closed_first_url_does_not_stop_01b(tmp_path, vllm_server, toy_llama, 
 
 
 def test_01b_starts_and_stops_its_own_server_without_a_url(tmp_path, toy_llama, toy_meta):
-    """Issue 19 item 10: no --vllm-url, generate.server_args set: 01b starts the verifier's server (the launcher
-    02/05 use: its log under logs/, the API key from $VLLM_API_KEY required by it and sent by every client of
-    ours), generates, and stops it: its process group is gone after the stage."""
+    """Issue 19 item 10: no --vllm-url, generate.server_args set (issue 29: a YAML list, the type server_args has in
+    every stage): 01b starts the verifier's server with those flags (the launcher 02/05 use: its log under logs/),
+    generates, and stops it: its process group is gone after the stage. Issue 26 item 8: the API key is only in
+    $VLLM_API_KEY; the server requires it (probed while the stage is paused: no key, HTTP 401), our clients send it,
+    and no file the stage wrote holds it."""
     import re
+
+    import yaml
 
     from eagle3pipe.server import API_KEY_ENV
 
     questions = _questions(tmp_path, 6)
     key = "k-" + os.urandom(8).hex()
-    server_args = f"--reasoning-parser kimi_k2 --max-model-len 2048 --api-key {key}"  # enforced by the server
-    res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [], "--server-args", server_args),
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, API_KEY_ENV: key})
-    assert res.returncode == 0, res.stderr[-3000:]
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({"generate": {"server_args": ["--reasoning-parser", "kimi_k2",
+                                                                   "--max-model-len", 2048]}}))
+    proc = subprocess.Popen(_door_argv(tmp_path, toy_llama, toy_meta, [], "--config", str(config)),
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, API_KEY_ENV: key})
+    lines: list[str] = []
+    ready_seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "vLLM ready at " in line:
+                ready_seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready_seen.wait(900), "".join(lines)[-3000:]
+        os.kill(proc.pid, signal.SIGSTOP)  # the stage waits; its server (own process group) answers
+        try:
+            url = re.search(r"vLLM ready at (http://\S+) ", "".join(lines)).group(1)
+            assert httpx2.get(url + "/v1/models", timeout=30).status_code == 401
+            assert httpx2.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                              timeout=30).status_code == 200
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(900) == 0, "".join(lines)[-3000:]
+    finally:
+        proc.kill()
+        reader.join(30)
+    stderr = "".join(lines)
     _check_capture(tmp_path, toy_llama, questions, load_tokenizer(toy_llama), toy_meta["think_token_id"])
-    ready = re.search(r"vLLM ready at (http://\S+) after \d+ s \(pid (\d+)\)", res.stderr)
-    assert ready, res.stderr[-3000:]
+    ready = re.search(r"vLLM ready at (http://\S+) after \d+ s \(pid (\d+)\)", stderr)
     url, pid = ready.group(1), int(ready.group(2))
-    assert f"stopped the server this stage started (pid {pid})" in res.stderr
+    assert f"stopped the server this stage started (pid {pid})" in stderr
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server and every worker of its process group
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(url + "/health", timeout=5)
-    log = (DataDir(tmp_path).logs / "01b_vllm_server.log").read_text()
-    assert "kimi_k2" in log and "api_key" in log
-    assert {r.server for r in load_responses(DataDir(tmp_path).responses)} == {url}
+    dd = DataDir(tmp_path)
+    log = (dd.logs / "01b_vllm_server.log").read_text()
+    assert "'reasoning_parser': 'kimi_k2'" in log and "'max_model_len': 2048" in log  # the list, as vLLM read it
+    assert {r.server for r in load_responses(dd.responses)} == {url}
+    # the key is in no file the stage wrote (logs, provenance.json, responses, the server's log) nor on its stderr
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {dd.log_file("01b_generate"), dd.logs / "01b_vllm_server.log", dd.synthetic / "provenance.json"} <= \
+        set(written)
+    assert [p for p in written if key.encode() in p.read_bytes()] == [] and key not in stderr

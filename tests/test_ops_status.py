@@ -1,0 +1,176 @@
+"""``run_all.sh --status`` (eagle3pipe/status.py): each stage's state, progress and drops, read from the data dir alone,
+while a stage runs, after it was killed, after it failed and after a finished run; every drop of every stage in one
+list, counted against the stages' own files."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3pipe.records import DataDir, DroppedRow, read_jsonl, write_jsonl_atomic, write_provenance
+from eagle3pipe.status import reason_key
+
+from test_generate import StubServer, write_questions
+from test_run_all import _run_all, write_config
+from watch import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def status(cfg_path: Path) -> tuple[dict, str]:
+    """(the JSON view by stage name, the table as printed by run_all.sh --status)."""
+    env = {**os.environ}
+    table = subprocess.run([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--status"], capture_output=True,
+                           text=True, env=env, timeout=120, check=True).stdout
+    view = json.loads(subprocess.run([sys.executable, "-m", "eagle3pipe.status", "--config", str(cfg_path), "--json"],
+                                     capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout)
+    return view, table
+
+
+def by_stage(view: dict) -> dict[str, dict]:
+    return {s["name"]: s for s in view["stages"]}
+
+
+def test_reason_key_is_the_kind_before_the_details():
+    assert reason_key("too long: 40000 tokens > max_seq_len 32768 (truncation: drop)") == "too long"
+    assert reason_key("non-finite hidden states (NaN/Inf)") == "non-finite hidden states"
+    assert reason_key("retryable: connection refused (a rerun of 02 retries it)") == "retryable: connection refused"
+    assert reason_key("duplicate conversation") == "duplicate conversation"
+
+
+def _prepared(dd: DataDir, n: int) -> list[dict]:
+    """Stage 01's output as 01 writes it (records' writers): n questions, two rows it dropped, its provenance."""
+    write_questions(dd.root, n)
+    dropped = [DroppedRow("chats.jsonl", 7, "too long: 2000 tokens > max_seq_len 1024 (truncation: drop)", "c7"),
+               DroppedRow("chats.jsonl", 9, "malformed: no messages", "")]
+    write_jsonl_atomic(dd.prepared_data, [])
+    write_jsonl_atomic(dd.prepared_errors, [d.to_json() for d in dropped])
+    write_provenance(dd.provenance(dd.prepared), stage="prepare", config_hash="x", config={}, inputs=[], counts={},
+                     started=time.time() - 5)
+    return [d.to_json() for d in dropped]
+
+
+def _generate(cfg_path: Path, url: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "01b_generate_synthetic.py"), "--config", str(cfg_path),
+                             "--vllm-url", url, *extra], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+@pytest.mark.integration
+def test_status_while_01b_runs_after_it_is_killed_fails_and_finishes(tmp_path, toy_llama, toy_meta):
+    import yaml
+
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "shared": {"data_dir": str(tmp_path / "data"), "verifier": str(toy_llama), "progress_every_s": 0.3,
+                   "think_token_id": toy_meta["think_token_id"], "response_token_id": toy_meta["response_token_id"]},
+        "generate": {"served_model_name": "stub", "min_completion_tokens": 1, "concurrency": 1, "max_retries": 0,
+                     "empty_reasoning_max_share": 0.9}}))
+    dd = DataDir(tmp_path / "data")
+    prepared_drops = _prepared(dd, 30)
+    with StubServer("ok", delay_s=0.3) as stub:
+        stub.fail_for = {"what is 0 + 0?"}  # answered 500 once: errored (max_retries 0)
+        stub.empty_for = {"what is 1 + 1?"}  # no reasoning: kept in responses, left out of data.jsonl
+        proc = _generate(cfg_path, stub.url)
+        try:
+            wait_until(lambda: dd.responses.is_file() and len(dd.responses.read_text().splitlines()) >= 5, proc,
+                       "five responses", poll_s=0.1)
+            log = dd.log_file("01b_generate")
+            wait_until(lambda: log.is_file() and "Progress: " in log.read_text(), proc, "a progress line", poll_s=0.1)
+            running, table = status(cfg_path)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # as kill -9 or an OOM kill would: its lock stays behind
+            proc.wait()
+        st = by_stage(running)["01b_generate"]
+        assert st["state"] == "running" and f"pid {proc.pid}" in st["detail"]
+        assert st["total"] == 30 and 5 <= st["done"] < 30 and st["unit"] == "requests"
+        assert st["rate"].endswith(" req/s") and st["eta"]
+        assert by_stage(running)["01_prepare"]["state"] == "done"
+        assert [by_stage(running)[n]["state"] for n in ("02_extract", "03_vocab", "04_train", "05_evaluate")] == \
+            ["not started"] * 4
+        assert "01b_generate  running" in table and f"pid {proc.pid}" in table
+
+        killed, table = status(cfg_path)
+        st = by_stage(killed)["01b_generate"]
+        answered = {json.loads(line)["id"] for path in (dd.responses, dd.synthetic_errors) if path.exists()
+                    for line in path.read_text().splitlines() if line.endswith("}")}
+        assert st["state"] == "crashed" and f"pid {proc.pid}" in st["detail"] and dd.stage_lock("01b_generate").exists()
+        assert (st["done"], st["total"]) == (len(answered), 30)
+        assert "when it stopped" in st["eta"]
+        assert st["drops"] == {"http_5xx": 1, "empty_reasoning": 1}
+        assert "01b_generate  crashed" in table
+
+        # resumed, it ends with the errored id (exit 2): failed, naming its error line
+        failed = _generate(cfg_path, stub.url)
+        assert failed.wait(timeout=300) == 2
+        after_failure, table = status(cfg_path)
+        st = by_stage(after_failure)["01b_generate"]
+        assert st["state"] == "failed" and "1 of 30 ids errored" in st["detail"] and st["done"] == 30
+
+        finished = _generate(cfg_path, stub.url, "--max-error-share", "0.1")
+        assert finished.wait(timeout=300) == 0
+    done, table = status(cfg_path)
+    st = by_stage(done)["01b_generate"]
+    assert st["state"] == "done" and (st["done"], st["total"]) == (30, 30)
+    # one list of drops, counted against each stage's own file
+    drops = done["drops"]
+    assert [(d["stage"], d["id"], d["reason"]) for d in drops if d["stage"] == "01_prepare"] == \
+        [("01_prepare", p["id"] or f"{p['source']} row {p['row']}", reason_key(p["reason"])) for p in prepared_drops]
+    errors = list(read_jsonl(dd.synthetic_errors))
+    trained = {d["id"] for d in read_jsonl(dd.synthetic_data)}
+    left_out = [(r["id"], "+".join(r["flags"])) for r in read_jsonl(dd.responses) if r["id"] not in trained]
+    assert sorted((d["id"], d["reason"]) for d in drops if d["stage"] == "01b_generate") == \
+        sorted([(e["id"], e["kind"]) for e in errors] + left_out)
+    assert left_out == [("q001", "empty_reasoning")] and [e["id"] for e in errors] == ["q000"]
+    assert f"dropped: {len(drops)} samples in all" in table
+    assert "01b_generate  http_5xx" in table and "synthetic/errors.jsonl (first: q000)" in table
+
+
+@pytest.mark.integration
+def test_status_after_a_finished_run(tmp_path, toy_llama):
+    cfg_path = write_config(tmp_path, toy_llama, train={"device": "cpu", "epochs": 1, "max_steps": 3,
+                                                        "checkpoint_every": 2, "num_workers": 0, "cpu_threads": 1,
+                                                        "total_seq_len": 1024})
+    with open(tmp_path / "chats.jsonl", "a") as f:  # two rows stage 01 drops, with their reasons
+        f.write(json.dumps({"messages": []}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "x" * 9000},
+                                         {"role": "assistant", "content": "y" * 9000}]}) + "\n")
+    res = _run_all("--config", str(cfg_path), "--to", "04_train", "--allow-human-answers")
+    assert res.returncode == 0, res.stderr[-3000:]
+    dd = DataDir(tmp_path / "data")
+    view, table = status(cfg_path)
+    st = by_stage(view)
+    assert [st[n]["state"] for n in ("01_prepare", "02_extract", "03_vocab", "04_train")] == ["done"] * 4
+    assert st["01b_generate"]["state"] == "not started" and st["05_evaluate"]["state"] == "not started"
+    manifest = json.loads(dd.hs_manifest.read_text())
+    assert (st["02_extract"]["done"], st["02_extract"]["total"]) == (manifest["num_samples"],) * 2
+    steps = [d["step"] for d in read_jsonl(dd.train_metrics) if d["kind"] == "train"]
+    trained = json.loads(dd.provenance(dd.checkpoints).read_text())["counts"]["steps"]
+    assert st["04_train"]["done"] == steps[-1] == trained >= 1
+    assert all(st[n]["detail"].startswith("took ") for n in ("01_prepare", "02_extract", "04_train"))
+    dropped = list(read_jsonl(dd.prepared_errors))
+    assert len(dropped) == 2
+    assert st["01_prepare"]["drops"] == dict(collections.Counter(reason_key(d["reason"]) for d in dropped))
+    assert len(view["drops"]) == 2 and "dropped: 2 samples in all" in table
+    for name in ("01_prepare", "02_extract", "03_vocab", "04_train"):
+        assert f"{name:<13} done" in table
+
+
+def test_progress_lines_read_back_as_written():
+    from eagle3pipe.progress import Progress, parse_line
+
+    bar = Progress(25000, unit="req", use_tty=False, desc="shard 3", initial=2000)
+    bar.update(680, errors=22, avg_completion="1263 tokens")
+    line = bar.line()
+    parsed = parse_line(f"2026-12-02 10:00:00 INFO eagle3pipe.progress: {line}")
+    assert parsed["desc"] == "shard 3" and (parsed["done"], parsed["total"], parsed["errors"]) == (2680, 25000, 22)
+    assert parsed["unit"] == "req" and f"{parsed['rate']:.1f} req/s" in line and line.endswith(f"eta: {parsed['eta']}")
+    assert parse_line("2026-12-02 10:00:00 INFO eagle3pipe: 01b: 30 questions") is None
