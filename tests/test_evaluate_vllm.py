@@ -85,7 +85,7 @@ def dflash_draft(tmp_path_factory, early_and_trained_drafts):
     dflash = tmp_path_factory.mktemp("dflash")
     for name in ("prepared", "synthetic", "hidden_states"):
         os.symlink(work.root / name, dflash / name)
-    train = {**DFLASH_TRAIN, "dflash_block_size": 8, "dflash_max_anchors": 256, "epochs": 3, "learning_rate": 0.003,
+    train = {**DFLASH_TRAIN, "dflash_block_size": 8, "dflash_max_anchors": 256, "epochs": 8, "learning_rate": 0.003,
              "eval_fraction": 0.0}  # a block per 4 row tokens: the denser anchors the quality bench favours
     cfg = _ci_config(dflash, train=train, vocab={"mask_token": TOY_MASK_TOKEN})
     run_vocab(cfg)
