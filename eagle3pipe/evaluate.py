@@ -190,8 +190,10 @@ def verifier_hidden_size(cfg: PipelineConfig) -> int:
 
 def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
     """Refuse, before any server starts, a draft folder vLLM would refuse or misuse: no config.json, not an EAGLE-3
-    draft (flat LlamaForCausalLMEagle3 or speculators' eagle3), no weights, a hidden size other than the
-    verifier's, or (flat layout) tensors missing or shaped against its own config. Reads headers only."""
+    draft (flat LlamaForCausalLMEagle3 or speculators' eagle3) nor a DFlash one (speculators' or z-lab's: no mask
+    token or layer ids, layers vLLM would run causal that were trained bidirectionally), no weights, a hidden size
+    other than the verifier's, or (flat layout) tensors missing or shaped against its own config. Reads headers
+    only."""
     from safetensors import safe_open
 
     config_path = folder / "config.json"
@@ -205,9 +207,9 @@ def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
     if draft_dflash.is_dflash_config(config):  # DFlash (speculators' or z-lab's format): what vLLM needs of it
         problems = draft_dflash.check_served(config, folder)
         layer = config.get("transformer_layer_config") or config
-        if layer.get("hidden_size") is not None and int(layer["hidden_size"]) != cfg.shared.hidden_size:
-            problems.append(f"hidden_size {layer['hidden_size']}, the verifier's is {cfg.shared.hidden_size} "
-                            "(shared.hidden_size): a draft for another target")
+        if layer.get("hidden_size") is not None and int(layer["hidden_size"]) != verifier_hidden_size(cfg):
+            problems.append(f"hidden_size {layer['hidden_size']}, the verifier's is {verifier_hidden_size(cfg)} "
+                            f"({Path(cfg.shared.verifier) / 'config.json'}): a draft for another target")
         if not list(folder.glob("*.safetensors")):
             problems.append("no *.safetensors weights")
         if problems:

@@ -374,3 +374,34 @@ def test_dflash_resume_repeats_the_uninterrupted_run(tmp_path, toy_llama):
     assert set(wa) == set(wb)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_05_refuses_a_dflash_draft_vllm_would_serve_otherwise_than_trained(tmp_path, toy_llama):
+    """Before any server starts: a speculators DFlash config that says sliding_window_non_causal false (vLLM runs
+    its full-attention layers causal; speculators trained them bidirectionally) or names no mask token (vLLM's
+    adapter raises KeyError) is refused naming the fix; a right one passes, and is served with method dflash at
+    its own k."""
+    from eagle3pipe.cli import StageError
+    from eagle3pipe.evaluate import check_served_draft, speculative_config
+
+    zlab = make_zlab_checkpoint(tmp_path / "zlab")
+    rows = make_rows(8, seed=46)
+    write_rows(tmp_path / "d", rows)
+    write_hidden_states(tmp_path / "d", toy_llama, rows)
+    cfg = dflash_config(tmp_path / "d", toy_llama, finetune_from=str(zlab), learning_rate=0.0, epochs=1,
+                        eval_fraction=0.0, max_steps=1, dflash_num_layers=ZLAB["layers"])
+    run_vocab(cfg)
+    good = run_train(cfg)
+    check_served_draft(good, cfg, "--draft")
+    check_served_draft(zlab, cfg, "--baseline-draft")  # z-lab's own layout, as vLLM reads it natively
+    assert json.loads(speculative_config(good, 3)) == {"method": "dflash", "model": str(good),
+                                                       "num_speculative_tokens": ZLAB["block"] - 1}
+    config = json.loads((good / "config.json").read_text())
+    for change, fragment in (({"sliding_window_non_causal": False}, "write sliding_window_non_causal: true"),
+                             ({"mask_token_id": None}, "'mask_token_id' missing")):
+        bad = tmp_path / f"bad_{len(fragment)}"
+        bad.mkdir()
+        (bad / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(StageError, match=fragment):
+            check_served_draft(bad, cfg, "--draft")
