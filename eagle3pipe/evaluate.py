@@ -6,8 +6,8 @@ Drafts side by side: the exported draft (``--draft``, default ``checkpoints/fina
 ``evaluate.num_speculative_tokens`` (``--speculative-config {"method": "eagle3", "model": DRAFT,
 "num_speculative_tokens": k}``), a DFlash draft (speculators' or z-lab's format) at its block size - 1
 (``"method": "dflash"``); then the verifier alone (unless ``--no-baseline``; or ``--baseline-url``). One server at
-a time: each serves the whole verifier. Each server gets every prompt set (``--prompts`` and ``evaluate.benchmarks``, ``eval_sets.py``) at every
-``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
+a time: each serves the whole verifier. Each server gets every prompt set (``--prompts`` and
+``evaluate.benchmarks``, ``eval_sets.py``) at every ``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
 ``shared.thinking``). Measures, per draft and set:
 
 - acceptance length = 1 + accepted / drafts: the mean number of tokens one verify step emits (the bonus token the
