@@ -345,17 +345,18 @@ def run_generate(cfg: PipelineConfig) -> dict:
              f"; removed {resume.data_rows_removed} data rows no longer trainable" if resume.data_rows_removed else "")
     if len(todo) or resume.data_rows_added or resume.data_rows_removed:
         dd.provenance(dd.synthetic).unlink(missing_ok=True)  # the folder changes: not finished until this run is
+    previous_attempts, guard_sample = resume.previous_attempts, (resume.judged, resume.empty, resume.first_empty)
+    del resume, done  # arrays of every id: not held through the run and the check after it
     progress = Progress(len(questions), unit="req", initial=len(questions) - len(todo),
                         every_s=cfg.shared.progress_every_s, desc="Progress")
     interrupted: BaseException | None = None
     with own_server(cfg, dd, bool(len(todo))) as urls, \
             IndexedJsonlWriter(dd.responses, "responses") as responses_out, \
             IndexedJsonlWriter(dd.synthetic_data, "rows") as data_out, JsonlAppender(dd.synthetic_errors) as errors_out:
-        gen = Generator(cfg, tokenizer, special, resume.previous_attempts, progress,
+        gen = Generator(cfg, tokenizer, special, previous_attempts, progress,
                         responses_out, data_out, errors_out, urls=urls)
         # the guard judges the whole run: it starts from the responses finished before
-        gen.stats.guard_seen, gen.stats.guard_empty = resume.judged, resume.empty
-        gen.stats.first_empty = resume.first_empty
+        gen.stats.guard_seen, gen.stats.guard_empty, gen.stats.first_empty = guard_sample
         try:
             gen.check_guard()  # the finished responses alone may already show the reasoning is being dropped
             if len(todo):

@@ -28,8 +28,10 @@ memory-maps instead of holding the rows, reading a row's line when it needs it. 
 from __future__ import annotations
 
 import array
+import bisect
 import datetime as _dt
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -525,7 +527,7 @@ def load_questions(path: Path) -> Iterator[Question]:
 #   synthetic/data.index       of synthetic/data.jsonl       kind "rows"       written by 01b
 #   synthetic/responses.index  of synthetic/responses.jsonl  kind "responses"  written by 01b
 #
-#   A 16-byte header (ROW_INDEX_MAGIC, then the kind in ASCII, space-padded to 8 bytes), then one ROW_INDEX_DTYPE
+#   A 32-byte header (ROW_INDEX_MAGIC, then the kind in ASCII, space-padded to 24 bytes), then one ROW_INDEX_DTYPE
 #   record (28 bytes, little-endian, packed) per record line of the JSONL file, in file order:
 #     offset      int64   byte offset of the line in the JSONL file
 #     num_bytes   uint32  length of the line, its newline included
@@ -541,13 +543,13 @@ def load_questions(path: Path) -> Iterator[Question]:
 # days (a torn last line repaired after a crash, rows removed when a resume's settings change), which an Arrow table
 # can follow only by being rewritten whole. The index follows each line in step (an append per line; after a crash
 # it is brought up to date by parsing only the lines past its end) and is rewritten with the file when the file is.
-# One row's ids and mask cost a pread and a json.loads of its line when it is needed (tens of microseconds per
-# thousand tokens, measured in bench/bench_scale.py), small beside what a stage then does with the row (a forward
-# pass, a request); lengths (num_tokens) and ids (key) are columns read without parsing.
+# One row's ids and mask cost a pread and a json.loads of its line when it is needed (~0.2 ms per thousand tokens
+# on the project's CPU machine, bench/bench_scale.py), small beside what a stage then does with the row (a forward
+# pass, a request, a training step); lengths (num_tokens) and ids (key) are columns read without parsing.
 # Stage 02 still writes speculators' own Arrow rows dataset for its trainer (save_hs_rows above).
 
 ROW_INDEX_MAGIC = b"E3RIDX01"  # the last two bytes are the index format's version
-ROW_INDEX_HEADER_BYTES = 16
+ROW_INDEX_HEADER_BYTES = 32
 ROW_INDEX_DTYPE = np.dtype([("offset", "<i8"), ("num_bytes", "<u4"), ("num_tokens", "<u4"), ("key", "<u8"),
                             ("flags", "<u4")])  # packed: 28 bytes
 _ROW_INDEX_RECORD = struct.Struct("<qIIQI")  # the same record, for appends
@@ -616,14 +618,17 @@ def describe_record(kind: str, d: dict, where: str = "") -> tuple[int, int, int]
 
 
 def _index_header(kind: str) -> bytes:
-    return ROW_INDEX_MAGIC + kind.encode("ascii").ljust(ROW_INDEX_HEADER_BYTES - len(ROW_INDEX_MAGIC))
+    header = ROW_INDEX_MAGIC + kind.encode("ascii").ljust(ROW_INDEX_HEADER_BYTES - len(ROW_INDEX_MAGIC))
+    assert len(header) == ROW_INDEX_HEADER_BYTES, kind
+    return header
 
 
 class KeySet:
     """A set of row ids as a sorted uint64 array of their keys (8 bytes an id): ``key in s``, ``s.contains(keys)``."""
 
-    def __init__(self, keys: np.ndarray | None = None):
-        self.keys = np.unique(np.asarray(keys, dtype=np.uint64)) if keys is not None else np.empty(0, np.uint64)
+    def __init__(self, keys: np.ndarray | None = None, *, sorted_unique: bool = False):
+        keys = np.asarray(keys if keys is not None else (), dtype=np.uint64)
+        self.keys = keys if sorted_unique else np.unique(keys)  # sorted_unique: taken as they are (no copy)
 
     def __len__(self) -> int:
         return int(self.keys.size)
@@ -633,7 +638,8 @@ class KeySet:
         keys = np.asarray(keys, dtype=np.uint64)
         if not self.keys.size:
             return np.zeros(keys.shape, dtype=bool)
-        at = np.searchsorted(self.keys, keys).clip(max=self.keys.size - 1)
+        at = np.searchsorted(self.keys, keys)
+        np.minimum(at, self.keys.size - 1, out=at)
         return self.keys[at] == keys
 
     def has(self, key: int) -> bool:
@@ -816,8 +822,12 @@ def _index_describes(jsonl_path: Path, kind: str, records: np.ndarray) -> bool:
     if not len(records):
         return True
     offsets, sizes = records["offset"], records["num_bytes"]
-    if int(offsets[0]) < 0 or (len(records) > 1 and not bool((offsets[1:] >= offsets[:-1] + sizes[:-1]).all())):
+    if int(offsets[0]) < 0:
         return False
+    for start in range(0, len(records) - 1, 1 << 20):  # in blocks: a few MB of temporaries whatever the rows
+        stop = min(start + (1 << 20), len(records) - 1)
+        if not bool((offsets[start + 1: stop + 1] >= offsets[start:stop] + sizes[start:stop]).all()):
+            return False
     picks = np.unique(np.linspace(0, len(records) - 1, ROW_INDEX_SPOT_CHECKS).astype(np.int64))
     with open(jsonl_path, "rb") as f:
         for i in picks:
@@ -840,11 +850,9 @@ def _index_describes(jsonl_path: Path, kind: str, records: np.ndarray) -> bool:
     return True
 
 
-def _scan_lines(jsonl_path: Path, kind: str, start: int) -> np.ndarray:
-    """Index records of the lines of ``jsonl_path`` from byte ``start`` on (parsing each), blank lines skipped.
-    A torn last line raises FormatError (a writer repairs it first: repair_jsonl)."""
-    columns = {name: array.array(code) for name, code in
-               (("offset", "q"), ("num_bytes", "I"), ("num_tokens", "I"), ("key", "Q"), ("flags", "I"))}
+def _scan_lines(jsonl_path: Path, kind: str, start: int) -> Iterator[bytes]:
+    """The packed index record of each line of ``jsonl_path`` from byte ``start`` on (parsing each), blank lines
+    skipped. A torn last line raises FormatError (a writer repairs it first: repair_jsonl)."""
     with open(jsonl_path, "rb") as f:
         f.seek(start)
         offset = start
@@ -862,33 +870,39 @@ def _scan_lines(jsonl_path: Path, kind: str, start: int) -> np.ndarray:
                 if not isinstance(d, dict):
                     raise FormatError(f"{where}: not a JSON object")
                 key, num_tokens, flags = describe_record(kind, d, where)
-                for name, value in (("offset", offset), ("num_bytes", size), ("num_tokens", num_tokens),
-                                    ("key", key), ("flags", flags)):
-                    columns[name].append(value)
+                yield _ROW_INDEX_RECORD.pack(offset, size, num_tokens, key, flags)
             offset += size
-    out = np.empty(len(columns["offset"]), dtype=ROW_INDEX_DTYPE)
-    for name, values in columns.items():
-        out[name] = np.frombuffer(values, dtype=values.typecode)
-    return out
 
 
-def _write_index_atomic(index_path: Path, kind: str, records: np.ndarray) -> None:
+def _record_chunks(records: np.ndarray) -> Iterator[bytes]:
+    for start in range(0, len(records), 1 << 20):  # a memory map copied a few MB at a time
+        yield np.ascontiguousarray(records[start: start + (1 << 20)]).tobytes()
+
+
+def _write_index_atomic(index_path: Path, kind: str, parts) -> None:
+    """Write an index file from its records, given as byte strings (packed records, in order)."""
     tmp = tmp_path_for(index_path)
-    with open(tmp, "wb") as f:
-        f.write(_index_header(kind))
-        f.write(np.ascontiguousarray(records, dtype=ROW_INDEX_DTYPE).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, index_path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_index_header(kind))
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, index_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def open_row_index(jsonl_path: Path, kind: str, *, missing_ok: bool = False) -> RowIndex:
     """The index of a JSONL file, checked against it and brought up to date.
 
     A missing index, or one that no longer describes the file (the file replaced or edited) is rebuilt by parsing
-    the file once and saved (atomically); one that stops short of the file's end (a crash after a line, before its
-    index record) is completed by parsing the lines past its end. Records past the file's end (lost by a power cut
-    with their lines) are dropped. ``missing_ok``: an absent JSONL file is an empty index instead of an error."""
+    the file once, streamed into a new index file (atomically); one that stops short of the file's end (a crash
+    after a line, before its index record) is completed by parsing the lines past its end. Records past the file's
+    end (lost by a power cut with their lines) are dropped. Where the index cannot be saved (a read-only copy) it
+    is kept in this process's memory. ``missing_ok``: an absent JSONL file is an empty index instead of an error."""
     jsonl_path = Path(jsonl_path)
     index_path = row_index_path(jsonl_path)
     if not jsonl_path.exists():
@@ -899,34 +913,39 @@ def open_row_index(jsonl_path: Path, kind: str, *, missing_ok: bool = False) -> 
     records, whole = _read_index_file(index_path, kind)
     kept = records
     if records is not None:
-        ends = records["offset"].astype(np.int64) + records["num_bytes"]
-        kept = records[: int(np.searchsorted(ends, size, side="right"))] if len(records) else records
+        # records whose line ends within the file (lines end in ascending order: a binary search, no array)
+        within = bisect.bisect_right(range(len(records)), size,
+                                     key=lambda i: int(records["offset"][i]) + int(records["num_bytes"][i]))
+        kept = records[:within]
         if not _index_describes(jsonl_path, kind, kept):
             log.warning("%s does not describe %s any more (the file was replaced or edited): rebuilding it",
                         index_path, jsonl_path)
             kept = None
+    started = time.monotonic()
     if kept is None:
-        started = time.monotonic()
-        kept = _scan_lines(jsonl_path, kind, 0)
-        _save_index_if_possible(index_path, kind, kept)
-        log.info("indexed %s: %d rows in %.1f s (%s)", jsonl_path, len(kept), time.monotonic() - started,
-                 index_path.name)
-        return RowIndex(jsonl_path, kind, kept)
-    end = int(kept["offset"][-1]) + int(kept["num_bytes"][-1]) if len(kept) else 0
-    if end < size:
-        tail = _scan_lines(jsonl_path, kind, end)
-        if len(tail):
-            kept = np.concatenate([np.asarray(kept), tail])
-    if len(kept) != len(records) or not whole:
-        _save_index_if_possible(index_path, kind, kept)
-    return RowIndex(jsonl_path, kind, kept)
-
-
-def _save_index_if_possible(index_path: Path, kind: str, records: np.ndarray) -> None:
+        parts, tail_from, rebuilt = [], 0, True
+    else:
+        end = int(kept["offset"][-1]) + int(kept["num_bytes"][-1]) if len(kept) else 0
+        parts, tail_from, rebuilt = _record_chunks(kept), end, False
+    tail = _scan_lines(jsonl_path, kind, tail_from)
+    if not rebuilt:
+        first = next(tail, None)
+        if first is None and len(kept) == len(records) and whole:
+            return RowIndex(jsonl_path, kind, kept)  # up to date
+        tail = itertools.chain([first] if first is not None else [], tail)
     try:
-        _write_index_atomic(index_path, kind, records)
+        _write_index_atomic(index_path, kind, itertools.chain(parts, tail))
     except OSError as e:  # a read-only copy of the data: the index is kept in memory for this process
         log.warning("could not save %s (%s): kept in memory", index_path, e)
+        buf = bytearray(b"".join(_record_chunks(kept)) if kept is not None else b"")
+        for record in _scan_lines(jsonl_path, kind, tail_from):
+            buf += record
+        return RowIndex(jsonl_path, kind, np.frombuffer(bytes(buf), dtype=ROW_INDEX_DTYPE))
+    records, _ = _read_index_file(index_path, kind)
+    if rebuilt:
+        log.info("indexed %s: %d rows in %.1f s (%s)", jsonl_path, len(records), time.monotonic() - started,
+                 index_path.name)
+    return RowIndex(jsonl_path, kind, records)
 
 
 class IndexedJsonlWriter:
@@ -960,7 +979,7 @@ class IndexedJsonlWriter:
                 open_row_index(self.path, kind).close()  # brought up to date with the file, saved
             else:
                 self.index_path.unlink(missing_ok=True)  # an index left without its file
-                _write_index_atomic(self.index_path, kind, _empty_records())
+                _write_index_atomic(self.index_path, kind, ())
             self._data = open(self.path, "ab")
             self._index = open(self.index_path, "ab")
             self._size = self.path.stat().st_size if self.path.exists() else 0
@@ -1041,7 +1060,7 @@ def rewrite_without(index: RowIndex, drop: np.ndarray) -> RowIndex:
     index.close()
     index_path.unlink(missing_ok=True)
     os.replace(tmp, path)
-    _write_index_atomic(index_path, index.kind, records)
+    _write_index_atomic(index_path, index.kind, _record_chunks(records))
     return RowIndex(path, index.kind, records)
 
 
@@ -1119,15 +1138,17 @@ def check_synthetic(dd: "DataDir", expected: "list[str] | RowIndex") -> Syntheti
     string). Works on the id keys of the files' row indexes: arrays, 8 bytes an id."""
     responses = open_row_index(dd.responses, "responses", missing_ok=True)
     data = open_row_index(dd.synthetic_data, "rows", missing_ok=True)
-    error_keys = _jsonl_id_keys(dd.synthetic_errors)
     r_keys, r_dup = _unique_and_repeated(responses.keys)
-    e_keys, e_dup = _unique_and_repeated(error_keys)
+    answered = KeySet(r_keys, sorted_unique=True)
+    e_keys, e_dup = _unique_and_repeated(_jsonl_id_keys(dd.synthetic_errors))
     d_keys, d_dup = _unique_and_repeated(data.keys)
-    expected_keys = expected.keys if isinstance(expected, RowIndex) else id_keys(expected)
-    expected_distinct = np.unique(expected_keys)
-    duplicated = np.union1d(np.union1d(r_dup, e_dup), np.union1d(d_dup, np.intersect1d(r_keys, e_keys)))
-    missing = np.setdiff1d(expected_distinct, np.union1d(r_keys, e_keys), assume_unique=True)
-    without = np.setdiff1d(d_keys, r_keys, assume_unique=True)
+    duplicated = np.union1d(np.union1d(r_dup, e_dup), np.union1d(d_dup, e_keys[answered.contains(e_keys)]))
+    without = d_keys[~answered.contains(d_keys)]
+    trained, errored = int(d_keys.size), int(e_keys.size)
+    del d_keys  # one array of every id at a time besides the answered ones
+    expected_distinct = np.unique(expected.keys if isinstance(expected, RowIndex) else id_keys(expected))
+    missing = expected_distinct[~answered.contains(expected_distinct)]
+    missing = missing[~KeySet(e_keys, sorted_unique=True).contains(missing)]
 
     def ids_of(keys: np.ndarray, *sources) -> list[str]:
         """The ids of the first CHECK_EXAMPLES keys, read from the first source that holds them: a RowIndex, or a
@@ -1146,8 +1167,8 @@ def check_synthetic(dd: "DataDir", expected: "list[str] | RowIndex") -> Syntheti
         return out
 
     expected_ids = expected if isinstance(expected, RowIndex) else (lambda: iter(expected))
-    return SyntheticCheck(expected=int(expected_distinct.size), finished=int(r_keys.size), errored=int(e_keys.size),
-                          trained=int(d_keys.size), num_duplicated=int(duplicated.size), num_missing=int(missing.size),
+    return SyntheticCheck(expected=int(expected_distinct.size), finished=len(answered), errored=errored,
+                          trained=trained, num_duplicated=int(duplicated.size), num_missing=int(missing.size),
                           num_data_without_response=int(without.size),
                           duplicated=ids_of(duplicated, responses, data, lambda: _jsonl_ids(dd.synthetic_errors)),
                           missing=ids_of(missing, expected_ids), data_without_response=ids_of(without, data))

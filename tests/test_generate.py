@@ -839,3 +839,21 @@ def test_row_indexes_stay_in_step_through_a_crash_and_a_resume(tmp_path, toy_lla
             tokens = [len(d["input_ids"]) if kind == "rows" else len(d["prompt_token_ids"]) +
                       len(d["completion_token_ids"]) for d in map(json.loads, lines)]
             assert index.lengths.tolist() == tokens
+
+
+def test_trainable_mask_on_index_bits_agrees_with_trainable_on_records():
+    """The resume decides trainability from the responses index's flag bits; every combination of flags (and an
+    unknown one), with and without a completion, under each setting, agrees with trainable() on the record."""
+    import itertools
+
+    from eagle3pipe.generate_requests import trainable, trainable_mask
+    from eagle3pipe.records import RESPONSE_FLAGS, response_bits
+
+    names = list(RESPONSE_FLAGS) + ["flag_of_a_later_version"]
+    records = [{"flags": [n for n, on in zip(names, bits) if on], "completion_token_ids": ids, "reasoning": "r"}
+               for bits in itertools.product([0, 1], repeat=len(names)) for ids in ([], [5])]
+    bits = [response_bits(d) for d in records]
+    for include_truncated, allow_empty in itertools.product([False, True], repeat=2):
+        expected = [bool(d["completion_token_ids"]) and trainable(d["flags"], include_truncated, allow_empty)
+                    for d in records]
+        assert trainable_mask(bits, include_truncated, allow_empty).tolist() == expected
