@@ -198,8 +198,6 @@ def open_source(spec: str, split: str) -> Source:
     would unify the rows' nested structures and fill keys a row lacks with nulls, which changes tool schemas and
     tool-call arguments, hence the rendered prompt. Parquet files, saved datasets and hub ids go through
     ``datasets``."""
-    import datasets
-
     path = Path(spec)
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
@@ -208,6 +206,9 @@ def open_source(spec: str, split: str) -> Source:
             return _json_file_source(path, spec)
         if path.suffix == ".jsonl":
             return JsonLinesSource(path)
+    import datasets  # here: JSON files need none of it (its import takes seconds)
+
+    if path.suffix in LOCAL_FORMATS:
         try:
             ds = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         except Exception as e:
