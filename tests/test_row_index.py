@@ -53,7 +53,7 @@ def test_written_in_step_and_each_row_read_back_exactly(tmp_path):
     assert path.read_bytes() == b"".join((json.dumps(_row(i), ensure_ascii=False) + "\n").encode() for i in range(50))
     index = open_row_index(path, "rows")
     assert _as_tuples(index) == _independent_index(path)
-    assert os.path.getsize(row_index_path(path)) == 16 + 28 * 50  # 28 bytes a row
+    assert os.path.getsize(row_index_path(path)) == 32 + 28 * 50  # 28 bytes a row
     assert [index.row(i).to_json() for i in (0, 17, 49)] == [_row(0), _row(17), _row(49)]
     assert [r.to_json() for r in index.rows([40, 3])] == [_row(3), _row(40)]  # file order
     assert index.find(np.array([id_key("row-7"), id_key("nope")], dtype=np.uint64)).tolist() == [7, -1]
@@ -84,7 +84,7 @@ def test_a_crash_between_a_line_and_its_index_record_is_caught_up(tmp_path):
     with open(path, "rb+") as f:
         f.truncate(_independent_index(path)[-1][0])  # the last line lost with its page cache
     assert _as_tuples(open_row_index(path, "rows")) == _independent_index(path)
-    assert os.path.getsize(row_index_path(path)) == 16 + 28 * 7
+    assert os.path.getsize(row_index_path(path)) == 32 + 28 * 7
 
 
 def test_an_index_that_no_longer_describes_its_file_is_rebuilt(tmp_path, caplog):
@@ -117,6 +117,25 @@ def test_rewrite_without_copies_the_kept_lines_and_their_index(tmp_path):
     index = rewrite_without(open_row_index(path, "rows"), drop)
     assert path.read_bytes() == b"".join(line for line, d in zip(before, drop) if not d)
     assert _as_tuples(index) == _independent_index(path) == _as_tuples(open_row_index(path, "rows"))
+
+
+@pytest.mark.parametrize("kind", ["rows", "questions", "responses"])
+def test_an_index_as_written_is_read_as_it_is(tmp_path, kind, caplog):
+    """What the writer wrote is what a reader maps: no rebuild, no rewrite (its bytes and time stay)."""
+    import logging
+
+    path = tmp_path / "f.jsonl"
+    record = {"rows": _row(1), "questions": {"id": "a", "messages": [], "source": "s"},
+              "responses": {"id": "a", "prompt_token_ids": [1], "completion_token_ids": [2, 3], "flags": [],
+                            "reasoning": "r"}}[kind]
+    with IndexedJsonlWriter(path, kind) as out:
+        out.write(record)
+    before = row_index_path(path).stat().st_mtime_ns, row_index_path(path).read_bytes()
+    with caplog.at_level(logging.INFO):
+        index = open_row_index(path, kind)
+    assert (len(index), int(index.lengths[0])) == (1, {"rows": 2, "questions": 0, "responses": 3}[kind])
+    assert (row_index_path(path).stat().st_mtime_ns, row_index_path(path).read_bytes()) == before
+    assert "indexed" not in caplog.text and "does not describe" not in caplog.text
 
 
 def test_new_file_is_put_in_place_only_on_commit(tmp_path):
