@@ -128,9 +128,10 @@ class SharedConfig:
 class PrepareConfig:
     dataset: list[str] = field(default_factory=list)  # HF dataset ids or local .json/.jsonl/.parquet files
     dataset_split: str = "train"  # split read from HF datasets
-    max_samples: int = 10000  # cap on rows kept per run (after dropping malformed ones); 0 = no cap
+    max_samples: int = 10000  # questions kept per dataset: a sample drawn with shared.seed when it has more; 0 = all
     truncation: str = "drop"  # rows longer than max_seq_len: "drop" (listed in errors.jsonl) or "truncate"
     overwrite: bool = False  # rewrite outputs made with a different config instead of refusing
+    num_proc: int = 0  # processes that render and tokenize the rows; 0 = the CPU cores this process may use
 
 
 @dataclass

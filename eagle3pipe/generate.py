@@ -4,7 +4,10 @@ Reads ``prepared/questions.jsonl``; writes ``synthetic/responses.jsonl`` (one li
 server's exact prompt and completion token ids), ``synthetic/data.jsonl`` (training rows: prompt ids + completion
 ids, loss mask on the completion) and ``synthetic/errors.jsonl`` (requests that failed after every retry). Each line
 is appended and flushed when its request ends; a rerun of the same command resumes: finished ids are skipped,
-errored ids retried (unless their kind is in ``permanent_error_kinds``), no id is written twice.
+errored ids retried (unless their kind is in ``permanent_error_kinds``), no id is written twice. responses.jsonl
+and data.jsonl are written with their row indexes (records.py, "Row index"), and the resume works on those and on
+questions.jsonl's: ids as arrays of 8-byte keys, flags as bits, each question read from its line when it is sent, so
+that 10^6 questions cost tens of megabytes and no parsing of the finished ones.
 
 The servers: ``--vllm-url`` (repeatable: one per node), or, without one, a server this stage starts on this machine
 with ``generate.server_args`` (``--tensor-parallel-size 8 --reasoning-parser kimi_k2 ...``) and stops when it ends,
@@ -32,26 +35,37 @@ import hashlib
 import json
 import logging
 import time
+import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .chat import load_tokenizer, resolve_special_ids
 from .cli import StageError, errors_allowed
 from .config import PipelineConfig
-from .generate_requests import EmptyReasoningError, Generator, trainable, training_row
+from .generate_requests import EmptyReasoningError, Generator, trainable_mask, training_row
 from .progress import Progress
 from .server import ServerError, VllmServer, default_vllm_python, probe_vllm
 from .records import (
+    RESPONSE_EMPTY_REASONING,
     DataDir,
+    IndexedJsonlWriter,
     JsonlAppender,
+    KeyCounts,
+    KeySet,
+    Question,
+    RowIndex,
     atomic_write_json,
     check_synthetic,
-    load_questions,
+    id_key,
     load_request_errors,
-    read_jsonl,
+    open_row_index,
     read_provenance,
+    remove_indexed_jsonl,
     repair_jsonl,
+    rewrite_without,
     write_jsonl_atomic,
     write_synthetic_provenance,
 )
@@ -97,9 +111,10 @@ def _settings_before(dd: DataDir) -> dict | None:
 def _prepare_output_dir(dd: DataDir, cfg: PipelineConfig) -> None:
     """Refuse to mix sampling settings in one synthetic/ folder, naming what differs; --overwrite starts afresh.
     Records this run's settings in run.json before any request, so a crash then a changed rerun is caught too."""
-    outputs = (dd.responses, dd.synthetic_data, dd.synthetic_errors, dd.provenance(dd.synthetic), dd.synthetic_run)
     if cfg.generate.overwrite:
-        for path in outputs:
+        for path in (dd.responses, dd.synthetic_data):
+            remove_indexed_jsonl(path)  # and its row index
+        for path in (dd.synthetic_errors, dd.provenance(dd.synthetic), dd.synthetic_run):
             if path.exists():
                 log.warning("--overwrite: deleting %s", path)
                 path.unlink()
@@ -120,11 +135,61 @@ def _prepare_output_dir(dd: DataDir, cfg: PipelineConfig) -> None:
                                          "started": _dt.datetime.now().isoformat(timespec="seconds")})
 
 
+class RunQuestions:
+    """The questions of this run, the first ``generate.max_samples`` lines of questions.jsonl, through its row
+    index: their ids as arrays of keys (8 bytes a question), each Question read from its line when it is sent."""
+
+    def __init__(self, dd: DataDir, max_samples: int):
+        index = open_row_index(dd.questions, "questions")
+        self.index = index.subset(slice(0, max_samples)) if max_samples else index
+        self.keys = self.index.keys  # uint64 [n], file order (a view of the index)
+        self.ids = KeySet(self.keys)  # sorted, for membership
+        if len(self.ids) != len(self.index):
+            self._refuse_repeated(dd)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _refuse_repeated(self, dd: DataDir) -> None:
+        distinct, counts = np.unique(self.keys, return_counts=True)
+        first, second = np.flatnonzero(self.keys == distinct[counts > 1][0])[:2]
+        ids = [self.index.record(int(first))["id"], self.index.record(int(second))["id"]]
+        if ids[0] == ids[1]:
+            raise StageError(f"{dd.questions} holds id {ids[0]!r} more than once; rerun stage 01")
+        raise StageError(f"{dd.questions}: ids {ids[0]!r} and {ids[1]!r} share one 64-bit key (records.id_key); "
+                         "rerun stage 01, whose ids never do")
+
+    def question(self, i: int) -> Question:
+        return Question.from_json(self.index.record(i), where=f"{self.index.jsonl_path} row {i}")
+
+    def source_of(self, row_id: str) -> str:
+        """The source of a question of this run, "" for an id that is not one."""
+        at = int(self.index.find(np.array([id_key(row_id)], dtype=np.uint64))[0])
+        return self.question(at).source if at >= 0 else ""
+
+    def at(self, positions: np.ndarray) -> "QuestionsAt":
+        return QuestionsAt(self, positions)
+
+
+class QuestionsAt:
+    """The questions at some positions, in order, each read when it is taken (what Generator.run sends)."""
+
+    def __init__(self, questions: RunQuestions, positions: np.ndarray):
+        self.questions, self.positions = questions, positions
+
+    def __len__(self) -> int:
+        return int(self.positions.size)
+
+    def __iter__(self):
+        for i in self.positions.tolist():
+            yield self.questions.question(i)
+
+
 @dataclass
 class ResumeState:
-    finished: set[str]  # ids with a response line
-    permanent: set[str]  # ids that errored with a kind the user accepted as permanent (not retried)
-    previous_attempts: dict[str, int]  # attempts spent on ids that errored in earlier runs
+    finished: KeySet  # ids with a response line
+    permanent: KeySet  # ids of this run that errored with a kind the user accepted as permanent (not retried)
+    previous_attempts: KeyCounts  # attempts spent on ids that errored in earlier runs
     data_rows_added: int  # data rows restored for responses written just before a crash (or now trainable)
     data_rows_removed: int  # data rows no longer trainable under this run's settings
     judged: int  # finished responses of this run's ids the empty-reasoning guard counts (thinking on)
@@ -132,92 +197,84 @@ class ResumeState:
     first_empty: dict | None  # the first of them, described for the guard's message
 
 
-def _is_empty_reasoning(d: dict) -> bool:
-    return not (d.get("reasoning") or "").strip()
-
-
-def _resume(dd: DataDir, sources: dict[str, str], cfg: PipelineConfig) -> ResumeState:
+def _resume(dd: DataDir, questions: RunQuestions, cfg: PipelineConfig) -> ResumeState:
     """Repair torn lines; with --retry-empty-reasoning drop the responses without reasoning (asked again); make
     data.jsonl hold exactly the responses trainable under this run's settings (restoring rows a crash skipped);
     keep errors of accepted kinds, drop the others (retried now) and stale ones; count the guard's sample.
-    Streams the files (responses.jsonl of a real run holds millions of ids)."""
+
+    Works on the row indexes of responses.jsonl and data.jsonl (their id keys and flags, as arrays): a resume of
+    10^6 finished questions parses none of them, only the lines it rewrites or restores."""
     g, thinking = cfg.generate, cfg.shared.thinking
     for path in (dd.responses, dd.synthetic_data, dd.synthetic_errors):
         repair_jsonl(path)
-
-    def responses():
-        return read_jsonl(dd.responses) if dd.responses.exists() else iter(())
-
-    if g.retry_empty_reasoning and thinking:
-        retried = sum(d["id"] in sources and _is_empty_reasoning(d) for d in responses())
-        if retried:
-            log.warning("--retry-empty-reasoning: %d responses without reasoning are asked again (their records "
-                        "leave %s; every other finished response is kept)", retried, dd.responses)
-            write_jsonl_atomic(dd.responses, (d for d in responses()
-                                              if not (d["id"] in sources and _is_empty_reasoning(d))))
-    finished: set[str] = set()
-    wanted: set[str] = set()  # ids whose response is trainable under this run's settings
-    judged, empty, first_empty = 0, 0, None
-    for d in responses():
-        finished.add(d["id"])
-        if d["completion_token_ids"] and trainable(d["flags"], g.include_truncated, g.allow_empty_reasoning):
-            wanted.add(d["id"])
-        if thinking and d["id"] in sources:
-            judged += 1
-            if _is_empty_reasoning(d):
-                empty += 1
-                first_empty = first_empty or {
-                    "id": d["id"], "finish_reason": d["finish_reason"],
-                    "fields": {"reasoning": "empty (stored record)", "content": f"{len(d['content'] or '')} chars"}}
-    data_ids: set[str] = set()
-    removed = 0
-    if dd.synthetic_data.exists():
-        for row in read_jsonl(dd.synthetic_data):
-            data_ids.add(row["id"])
-        removed = len(data_ids - wanted)
-        if removed:  # e.g. --allow-empty-reasoning or --include-truncated turned off since the rows were written
-            write_jsonl_atomic(dd.synthetic_data, (row for row in read_jsonl(dd.synthetic_data) if row["id"] in wanted))
-            data_ids &= wanted
-    added = 0
-    if wanted - data_ids:
-        with JsonlAppender(dd.synthetic_data) as data_out:
-            for d in responses():
-                # a crash between the response line and its data line, or a setting that now trains on it
-                if d["id"] in wanted and d["id"] not in data_ids:
-                    data_out.write(training_row(d["id"], d["prompt_token_ids"], d["completion_token_ids"],
-                                                sources.get(d["id"], "")).to_json())
-                    data_ids.add(d["id"])
-                    added += 1
-    previous_attempts: dict[str, int] = {}
-    permanent: set[str] = set()
+    responses = open_row_index(dd.responses, "responses", missing_ok=True)
+    in_run = questions.ids.contains(responses.keys)  # bool [R]: a response to a question of this run
+    empty = (responses.flags & RESPONSE_EMPTY_REASONING) != 0  # bool [R]
+    if g.retry_empty_reasoning and thinking and bool((in_run & empty).any()):
+        retried = in_run & empty
+        log.warning("--retry-empty-reasoning: %d responses without reasoning are asked again (their records "
+                    "leave %s; every other finished response is kept)", int(retried.sum()), dd.responses)
+        responses = rewrite_without(responses, retried)
+        in_run, empty = in_run[~retried], empty[~retried]
+    finished = KeySet(responses.keys)
+    trainable_now = trainable_mask(responses.flags, g.include_truncated, g.allow_empty_reasoning)  # bool [R]
+    wanted = KeySet(responses.keys[trainable_now])  # ids whose response is trainable under this run's settings
+    judged = int(in_run.sum()) if thinking else 0
+    n_empty = int((in_run & empty).sum()) if thinking else 0
+    first_empty = None
+    if n_empty:
+        d = responses.record(int(np.flatnonzero(in_run & empty)[0]))
+        first_empty = {"id": d["id"], "finish_reason": d["finish_reason"],
+                       "fields": {"reasoning": "empty (stored record)", "content": f"{len(d['content'] or '')} chars"}}
+    data = open_row_index(dd.synthetic_data, "rows", missing_ok=True)
+    stale = ~wanted.contains(data.keys)  # bool [D]
+    removed = int(np.unique(data.keys[stale]).size)
+    if removed:  # e.g. --allow-empty-reasoning or --include-truncated turned off since the rows were written
+        data = rewrite_without(data, stale)
+    # a crash between the response line and its data line, or a setting that now trains on it: the first trainable
+    # response of each id that has no data row
+    lacking = np.flatnonzero(trainable_now & ~KeySet(data.keys).contains(responses.keys))
+    _, first = np.unique(responses.keys[lacking], return_index=True)
+    restore = np.sort(lacking[first])
+    if restore.size:
+        with IndexedJsonlWriter(dd.synthetic_data, "rows") as data_out:
+            for _, d in responses.records_at(restore):
+                data_out.write(training_row(d["id"], d["prompt_token_ids"], d["completion_token_ids"],
+                                            questions.source_of(d["id"])).to_json())
+    retried_keys, retried_attempts, permanent_keys = array.array("Q"), array.array("q"), array.array("Q")
     if dd.synthetic_errors.exists():
-        kept_errors = []
-        for err in load_request_errors(dd.synthetic_errors):
-            if err.id in finished:
-                continue  # finished on a later run: the error is stale
-            if err.id in sources and err.kind not in g.permanent_error_kinds:
-                previous_attempts[err.id] = previous_attempts.get(err.id, 0) + err.attempts  # retried now
-            else:
+        def kept_errors():
+            for err in load_request_errors(dd.synthetic_errors):
+                key = id_key(err.id)
+                if finished.has(key):
+                    continue  # finished on a later run: the error is stale
+                if questions.ids.has(key) and err.kind not in g.permanent_error_kinds:
+                    retried_keys.append(key)  # retried now
+                    retried_attempts.append(err.attempts)
+                    continue
                 # an accepted permanent error, or an id outside this run's questions (a smaller --max-samples)
-                kept_errors.append(err.to_json())
-                if err.id in sources:
-                    permanent.add(err.id)
-        write_jsonl_atomic(dd.synthetic_errors, kept_errors)
-    return ResumeState(finished=finished, permanent=permanent, previous_attempts=previous_attempts,
-                       data_rows_added=added, data_rows_removed=removed, judged=judged, empty=empty,
+                if questions.ids.has(key):
+                    permanent_keys.append(key)
+                yield err.to_json()
+
+        write_jsonl_atomic(dd.synthetic_errors, kept_errors())
+    return ResumeState(finished=finished, permanent=KeySet(np.frombuffer(permanent_keys, dtype=np.uint64)),
+                       previous_attempts=KeyCounts(np.frombuffer(retried_keys, dtype=np.uint64),
+                                                   np.frombuffer(retried_attempts, dtype=np.int64)),
+                       data_rows_added=int(restore.size), data_rows_removed=removed, judged=judged, empty=n_empty,
                        first_empty=first_empty)
 
 
-def _check_errors(dd: DataDir, cfg: PipelineConfig, question_ids: list[str]) -> dict:
+def _check_errors(dd: DataDir, cfg: PipelineConfig, questions: RunQuestions) -> dict:
     """Errored ids after the run: those of accepted kinds are final; more of the others than --max-error-share
     allows stop the stage (exit status 2) with the count and how to resume. Returns counts for the provenance."""
     g = cfg.generate
-    wanted = set(question_ids)
-    errors = [e for e in load_request_errors(dd.synthetic_errors) if e.id in wanted] \
-        if dd.synthetic_errors.exists() else []
-    accepted = collections.Counter(e.kind for e in errors if e.kind in g.permanent_error_kinds)
-    open_errors = collections.Counter(e.kind for e in errors if e.kind not in g.permanent_error_kinds)
-    allowed = errors_allowed(g.max_error_share, len(question_ids))
+    accepted: collections.Counter = collections.Counter()
+    open_errors: collections.Counter = collections.Counter()
+    for e in load_request_errors(dd.synthetic_errors) if dd.synthetic_errors.exists() else ():
+        if questions.ids.has(id_key(e.id)):
+            (accepted if e.kind in g.permanent_error_kinds else open_errors)[e.kind] += 1
+    allowed = errors_allowed(g.max_error_share, len(questions))
     n_open = sum(open_errors.values())
     if n_open > allowed:
         kinds = ", ".join(f"{k} {v}" for k, v in open_errors.most_common())
@@ -226,7 +283,7 @@ def _check_errors(dd: DataDir, cfg: PipelineConfig, question_ids: list[str]) -> 
                 f"with --permanent-error-kinds {' '.join(final)} (they stay listed in {dd.synthetic_errors.name})."
                 if final else "")
         raise StageError(
-            f"{n_open} of {len(question_ids)} ids errored ({kinds}; listed in {dd.synthetic_errors}); allowed: "
+            f"{n_open} of {len(questions)} ids errored ({kinds}; listed in {dd.synthetic_errors}); allowed: "
             f"{allowed} (--max-error-share {g.max_error_share:g}). synthetic/ is not finished and stages 02/03 "
             f"refuse it. Rerun the same command to retry exactly these {n_open} ids (finished ones are not sent "
             f"again).{hint}")
@@ -273,44 +330,41 @@ def run_generate(cfg: PipelineConfig) -> dict:
     g = cfg.generate
     if not dd.questions.exists():
         raise FileNotFoundError(f"{dd.questions} not found: run 01_prepare_data.py first (same --data-dir)")
-    questions = list(load_questions(dd.questions))
-    if g.max_samples:
-        questions = questions[: g.max_samples]
-    ids = [q.id for q in questions]
-    if len(set(ids)) != len(ids):
-        dup = collections.Counter(ids).most_common(1)[0][0]
-        raise StageError(f"{dd.questions} holds id {dup!r} more than once; rerun stage 01")
+    questions = RunQuestions(dd, g.max_samples)
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     special = resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     _prepare_output_dir(dd, cfg)
-    resume = _resume(dd, {q.id: q.source for q in questions}, cfg)
-    todo = [q for q in questions if q.id not in resume.finished and q.id not in resume.permanent]
+    resume = _resume(dd, questions, cfg)
+    done = resume.finished.contains(questions.keys)  # bool [n]
+    todo = questions.at(np.flatnonzero(~(done | resume.permanent.contains(questions.keys))))
     log.info("01b: %d questions; %d already finished, %d errored with an accepted kind, %d to send (%d retried "
-             "after earlier errors)%s%s", len(questions), len(resume.finished & set(ids)), len(resume.permanent),
+             "after earlier errors)%s%s", len(questions), int(done.sum()), len(resume.permanent),
              len(todo), len(resume.previous_attempts),
              f"; restored {resume.data_rows_added} data rows" if resume.data_rows_added else "",
              f"; removed {resume.data_rows_removed} data rows no longer trainable" if resume.data_rows_removed else "")
-    if todo or resume.data_rows_added or resume.data_rows_removed:
+    if len(todo) or resume.data_rows_added or resume.data_rows_removed:
         dd.provenance(dd.synthetic).unlink(missing_ok=True)  # the folder changes: not finished until this run is
+    previous_attempts, guard_sample = resume.previous_attempts, (resume.judged, resume.empty, resume.first_empty)
+    del resume, done  # arrays of every id: not held through the run and the check after it
     progress = Progress(len(questions), unit="req", initial=len(questions) - len(todo),
                         every_s=cfg.shared.progress_every_s, desc="Progress")
     interrupted: BaseException | None = None
-    with own_server(cfg, dd, bool(todo)) as urls, JsonlAppender(dd.responses) as responses_out, \
-            JsonlAppender(dd.synthetic_data) as data_out, JsonlAppender(dd.synthetic_errors) as errors_out:
-        gen = Generator(cfg, tokenizer, special, resume.previous_attempts, progress,
+    with own_server(cfg, dd, bool(len(todo))) as urls, \
+            IndexedJsonlWriter(dd.responses, "responses") as responses_out, \
+            IndexedJsonlWriter(dd.synthetic_data, "rows") as data_out, JsonlAppender(dd.synthetic_errors) as errors_out:
+        gen = Generator(cfg, tokenizer, special, previous_attempts, progress,
                         responses_out, data_out, errors_out, urls=urls)
         # the guard judges the whole run: it starts from the responses finished before
-        gen.stats.guard_seen, gen.stats.guard_empty = resume.judged, resume.empty
-        gen.stats.first_empty = resume.first_empty
+        gen.stats.guard_seen, gen.stats.guard_empty, gen.stats.first_empty = guard_sample
         try:
             gen.check_guard()  # the finished responses alone may already show the reasoning is being dropped
-            if todo:
+            if len(todo):
                 asyncio.run(gen.run(todo))
         except BaseException as e:  # the guard, Ctrl-C: what was written stays; the summary is still logged
             interrupted = e
         finally:
             progress.close()
-    check = check_synthetic(dd, ids)
+    check = check_synthetic(dd, questions.index)
     summary = {**gen.stats.summary(), "questions": len(questions), "skipped_finished": len(questions) - len(todo),
                "ids": check.figures(), "elapsed_s": round(time.time() - started, 1)}
     _log_summary(summary, dd)
@@ -324,7 +378,7 @@ def run_generate(cfg: PipelineConfig) -> dict:
     if not check.ok():
         raise StageError(f"{dd.synthetic}: id bookkeeping broken ({check.figures()}; duplicated "
                          f"{check.duplicated[:5]}, data without response {check.data_without_response[:5]})")
-    summary.update(_check_errors(dd, cfg, ids))
+    summary.update(_check_errors(dd, cfg, questions))
     write_synthetic_provenance(dd, config_hash=sampling_hash(cfg), counts=summary, started=started,
                                config={"shared": cfg.to_dict()["shared"], "generate": cfg.to_dict()["generate"]})
     return summary

@@ -19,12 +19,24 @@ import time
 from dataclasses import dataclass, field
 
 import httpx2  # the HTTP library the openai client is built on
+import numpy as np
 
 from .chat import SpecialIds, prompt_token_ids, rebuild_completion_ids
 from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
-from .records import JsonlAppender, RequestError, Response, TrainingRow
+from .records import (
+    RESPONSE_FLAGS,
+    RESPONSE_NO_COMPLETION,
+    RESPONSE_OTHER_FLAG,
+    IndexedJsonlWriter,
+    JsonlAppender,
+    KeyCounts,
+    RequestError,
+    Response,
+    TrainingRow,
+    flag_bits,
+)
 from .server import (
     NoServerAnswers,
     RequestFailed,
@@ -146,6 +158,15 @@ def trainable(flags: list[str], include_truncated: bool, allow_empty_reasoning: 
     return not rest
 
 
+def trainable_mask(bits: np.ndarray, include_truncated: bool, allow_empty_reasoning: bool = False) -> np.ndarray:
+    """bool [n]: ``trainable`` and a completion, for the ``flags`` column of responses' row index (its bits)."""
+    allowed = flag_bits(TRUNCATED_FINISH_REASONS) if include_truncated else 0
+    if allow_empty_reasoning:
+        allowed |= flag_bits([EMPTY_REASONING_FLAG])
+    blocking = (flag_bits(RESPONSE_FLAGS) | RESPONSE_OTHER_FLAG | RESPONSE_NO_COMPLETION) & ~allowed
+    return (np.asarray(bits, dtype=np.uint32) & np.uint32(blocking)) == 0
+
+
 def empty_reasoning_tripped(empty: int, judged: int, max_share: float) -> bool:
     """Whether the share of responses without reasoning is clearly above ``max_share``: at least GUARD_MIN_SAMPLE
     responses judged, and the Wilson lower bound (99%) of the share above it. A server that drops the reasoning
@@ -199,8 +220,8 @@ class RunStats:
 class Generator:
     """Sends the questions with bounded concurrency over one or more servers and writes each result at once."""
 
-    def __init__(self, cfg: PipelineConfig, tokenizer, special: SpecialIds, previous_attempts: dict[str, int],
-                 progress: Progress, responses_out: JsonlAppender, data_out: JsonlAppender,
+    def __init__(self, cfg: PipelineConfig, tokenizer, special: SpecialIds, previous_attempts: KeyCounts,
+                 progress: Progress, responses_out: IndexedJsonlWriter, data_out: IndexedJsonlWriter,
                  errors_out: JsonlAppender, urls: list[str] | None = None):
         self.cfg, self.g = cfg, cfg.generate
         self.tokenizer, self.special, self.progress = tokenizer, special, progress
@@ -413,7 +434,8 @@ class Generator:
                         queue_s, waiting, running, self.g.request_timeout_s, running, max(1, running))
 
     # -- driver ---------------------------------------------------------------------------------------------------
-    async def run(self, todo: list) -> None:
+    async def run(self, todo) -> None:
+        """Send ``todo`` (a sized iterable of Questions, each read when a slot takes it)."""
         self.pool = ServerPool(self.urls, self.g.request_timeout_s, self.g.concurrency + 8, flag="--vllm-url")
         try:
             served = await self.pool.open()  # the servers that answer; the others are set aside and probed
@@ -426,16 +448,10 @@ class Generator:
         self.sessions = [make_session(self.g.request_timeout_s, self.g.concurrency + 8) for _ in self.urls]
         log.info("sending %d requests to %s (model %s), %d in flight", len(todo), ", ".join(self.urls), model,
                  self.g.concurrency)
-        queue: asyncio.Queue = asyncio.Queue()
-        for q in todo:
-            queue.put_nowait(q)
+        questions = iter(todo)  # shared by the slots: next() runs between awaits, so each question goes once
 
         async def worker() -> None:
-            while True:
-                try:
-                    q = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
+            for q in questions:
                 await self.run_one(q, model)
 
         monitor = asyncio.create_task(self.monitor())

@@ -4,8 +4,10 @@ Writer and reader of each file import this module, so a format is defined exactl
 
     <data_dir>/
       prepared/     data.jsonl (TrainingRow)  questions.jsonl (Question)  errors.jsonl (DroppedRow)  provenance.json
+                    data.index  questions.index (row indexes, see "Row index")
       synthetic/    responses.jsonl (Response)  data.jsonl (TrainingRow)  errors.jsonl (RequestError)  provenance.json
                     (written only when 01b finished)  run.json (01b's sampling settings, written at its start)
+                    responses.index  data.index (row indexes)
       hidden_states/  speculators-readable dataset + per-sample safetensors + manifest.json (see extract section)
       vocab/        draft vocabulary: counts, d2t, t2d (see vocab section)
       checkpoints/  step_N/ training checkpoints, final/ exported draft, metrics.jsonl, skipped.jsonl
@@ -17,21 +19,33 @@ Writer and reader of each file import this module, so a format is defined exactl
 
 JSONL files are appended one flushed line per record; a crash can leave at most one torn last line, which
 ``repair_jsonl`` removes before the next run appends (the record it held is redone, never half-kept).
+
+The JSONL files later stages read row by row (training rows, questions, responses) have a row index beside them
+(``data.jsonl`` -> ``data.index``): 28 bytes a row (byte offset, length, tokens, id key, flags) that a process
+memory-maps instead of holding the rows, reading a row's line when it needs it. Why an index and not an Arrow copy
+(what speculators and SpecForge keep): see the "Row index" section.
 """
 
 from __future__ import annotations
 
+import array
+import bisect
 import datetime as _dt
+import hashlib
+import itertools
 import json
 import logging
 import os
 import platform
+import struct
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +454,7 @@ class TrainingRow:
             raise FormatError(
                 f"{where}: row {self.id}: input_ids has {len(self.input_ids)} tokens, loss_mask {len(self.loss_mask)}"
             )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if not set(self.loss_mask) <= {0, 1}:  # set(): C speed (a Python loop was ~1 us a token)
             raise FormatError(f"{where}: row {self.id}: loss_mask holds values other than 0/1")
         if not any(self.loss_mask):
             raise FormatError(f"{where}: row {self.id}: no supervised token (loss_mask all 0)")
@@ -544,6 +558,559 @@ def load_questions(path: Path) -> Iterator[Question]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Row index (issue 27): a compact index beside every JSONL file a later stage reads row by row
+#
+#   prepared/data.index        of prepared/data.jsonl        kind "rows"       written by 01
+#   prepared/questions.index   of prepared/questions.jsonl   kind "questions"  written by 01
+#   synthetic/data.index       of synthetic/data.jsonl       kind "rows"       written by 01b
+#   synthetic/responses.index  of synthetic/responses.jsonl  kind "responses"  written by 01b
+#
+#   A 32-byte header (ROW_INDEX_MAGIC, then the kind in ASCII, space-padded to 24 bytes), then one ROW_INDEX_DTYPE
+#   record (28 bytes, little-endian, packed) per record line of the JSONL file, in file order:
+#     offset      int64   byte offset of the line in the JSONL file
+#     num_bytes   uint32  length of the line, its newline included
+#     num_tokens  uint32  rows: len(input_ids); responses: prompt + completion ids; questions: 0
+#     key         uint64  id_key(record["id"])
+#     flags       uint32  responses: response_bits(record); 0 for the other kinds
+#
+# Why an index into data.jsonl and not an Arrow copy beside it (speculators and SpecForge keep prepared rows as an
+# HF `datasets` Arrow table, memory-mapped, made by `Dataset.map(num_proc=...)` + `save_to_disk`): what makes their
+# readers cheap is that a process maps the rows instead of holding them, and this index gives our stages the same
+# (a memory map of 28 bytes a row; a rank maps the pages of its own rows) while data.jsonl stays the one record.
+# An Arrow copy would hold every token a second time, and data.jsonl is not written once: 01b appends to it for
+# days (a torn last line repaired after a crash, rows removed when a resume's settings change), which an Arrow table
+# can follow only by being rewritten whole. The index follows each line in step (an append per line; after a crash
+# it is brought up to date by parsing only the lines past its end) and is rewritten with the file when the file is.
+# One row's ids and mask cost a pread and a json.loads of its line when it is needed (~0.2 ms per thousand tokens
+# on the project's CPU machine, bench/bench_scale.py), small beside what a stage then does with the row (a forward
+# pass, a request, a training step); lengths (num_tokens) and ids (key) are columns read without parsing.
+# Stage 02 still writes speculators' own Arrow rows dataset for its trainer (save_hs_rows above).
+
+ROW_INDEX_MAGIC = b"E3RIDX01"  # the last two bytes are the index format's version
+ROW_INDEX_HEADER_BYTES = 32
+ROW_INDEX_DTYPE = np.dtype([("offset", "<i8"), ("num_bytes", "<u4"), ("num_tokens", "<u4"), ("key", "<u8"),
+                            ("flags", "<u4")])  # packed: 28 bytes
+_ROW_INDEX_RECORD = struct.Struct("<qIIQI")  # the same record, for appends
+assert _ROW_INDEX_RECORD.size == ROW_INDEX_DTYPE.itemsize
+ROW_INDEX_KINDS = ("rows", "questions", "responses")
+ROW_INDEX_SPOT_CHECKS = 8  # lines parsed on open to check the index still describes the file (first, last, spread)
+
+# responses: the bits of ``flags`` (a flag 01b writes into Response.flags is bit RESPONSE_FLAGS.index(flag))
+RESPONSE_FLAGS = ("length", "abort", "repetition", "empty", "short", "too_long", "empty_reasoning", "unrebuildable")
+RESPONSE_OTHER_FLAG = 1 << 28  # a flag not in RESPONSE_FLAGS (written by a later version): never trainable here
+RESPONSE_NO_COMPLETION = 1 << 29  # completion_token_ids is empty
+RESPONSE_EMPTY_REASONING = 1 << 30  # the reasoning text is empty or whitespace
+
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def row_index_path(jsonl_path: Path) -> Path:
+    """The index beside a JSONL file: ``data.jsonl`` -> ``data.index``."""
+    return Path(jsonl_path).with_suffix(".index")
+
+
+def id_key(row_id: str) -> int:
+    """The 64-bit key of a row id. Stage 01's ids (16 lowercase hex digits) are their own value, so its keys are
+    exact; any other id (tests, hand-made files) keys on the first 8 bytes of its blake2b: two distinct ids among
+    10^6 share one with probability ~3e-8, and stage 01b checks its questions' keys are distinct."""
+    if len(row_id) == 16 and _HEX_DIGITS.issuperset(row_id):
+        return int(row_id, 16)
+    return int.from_bytes(hashlib.blake2b(row_id.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def id_keys(row_ids) -> np.ndarray:
+    """uint64 [n]: id_key of each id."""
+    return np.fromiter((id_key(i) for i in row_ids), dtype=np.uint64)
+
+
+def flag_bits(flags) -> int:
+    """The RESPONSE_FLAGS bits of a list of flag names (RESPONSE_OTHER_FLAG for a name not listed)."""
+    bits = 0
+    for name in flags:
+        bits |= (1 << RESPONSE_FLAGS.index(name)) if name in RESPONSE_FLAGS else RESPONSE_OTHER_FLAG
+    return bits
+
+
+def response_bits(d: dict) -> int:
+    """The ``flags`` column of one response record: its flags, no completion ids, empty reasoning."""
+    bits = flag_bits(d.get("flags") or ())
+    if not d["completion_token_ids"]:
+        bits |= RESPONSE_NO_COMPLETION
+    if not (d.get("reasoning") or "").strip():
+        bits |= RESPONSE_EMPTY_REASONING
+    return bits
+
+
+def describe_record(kind: str, d: dict, where: str = "") -> tuple[int, int, int]:
+    """(key, num_tokens, flags) of one record of a file of ``kind``: what its index record holds."""
+    try:
+        if kind == "rows":
+            return id_key(d["id"]), len(d["input_ids"]), 0
+        if kind == "questions":
+            return id_key(d["id"]), 0, 0
+        if kind == "responses":
+            return id_key(d["id"]), len(d["prompt_token_ids"]) + len(d["completion_token_ids"]), response_bits(d)
+    except (KeyError, TypeError) as e:
+        raise FormatError(f"{where}: not a {kind} record (lacks or mistypes {e})") from None
+    raise ValueError(f"unknown row index kind {kind!r} (one of {ROW_INDEX_KINDS})")
+
+
+def _index_header(kind: str) -> bytes:
+    header = ROW_INDEX_MAGIC + kind.encode("ascii").ljust(ROW_INDEX_HEADER_BYTES - len(ROW_INDEX_MAGIC))
+    assert len(header) == ROW_INDEX_HEADER_BYTES, kind
+    return header
+
+
+class KeySet:
+    """A set of row ids as a sorted uint64 array of their keys (8 bytes an id): ``key in s``, ``s.contains(keys)``."""
+
+    def __init__(self, keys: np.ndarray | None = None, *, sorted_unique: bool = False):
+        keys = np.asarray(keys if keys is not None else (), dtype=np.uint64)
+        self.keys = keys if sorted_unique else np.unique(keys)  # sorted_unique: taken as they are (no copy)
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """bool [n]: which of ``keys`` are in the set."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not self.keys.size:
+            return np.zeros(keys.shape, dtype=bool)
+        at = np.searchsorted(self.keys, keys)
+        np.minimum(at, self.keys.size - 1, out=at)
+        return self.keys[at] == keys
+
+    def has(self, key: int) -> bool:
+        """Whether one key is in the set."""
+        k = np.uint64(key)
+        at = int(np.searchsorted(self.keys, k))
+        return at < self.keys.size and bool(self.keys[at] == k)
+
+    def __contains__(self, row_id: str) -> bool:
+        return self.has(id_key(row_id))
+
+
+class KeyCounts:
+    """A count per row id, as two arrays (sorted keys, counts): ``counts.get(row_id, 0)``."""
+
+    def __init__(self, keys: np.ndarray, counts: np.ndarray):
+        keys = np.asarray(keys, dtype=np.uint64)
+        self.keys, inverse = np.unique(keys, return_inverse=True)
+        self.counts = np.bincount(inverse, weights=np.asarray(counts, dtype=np.float64),
+                                  minlength=self.keys.size).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+    def get(self, row_id: str, default: int = 0) -> int:
+        key = np.uint64(id_key(row_id))
+        at = int(np.searchsorted(self.keys, key))
+        return int(self.counts[at]) if at < self.keys.size and self.keys[at] == key else default
+
+
+class RowIndex:
+    """The index of one JSONL file (``open_row_index``): its columns as arrays, each line read when it is needed.
+
+    For the stages that read rows (02 and 04 next): ``lengths`` (tokens per row, no parsing), ``row(i)`` (one
+    TrainingRow: a pread and a json.loads of its line), ``rows(positions)`` (many, read in file order),
+    ``rank_share(rank, world_size)`` (the contiguous block of rows of one torchrun rank: its records alone are
+    touched), ``subset(positions)``, ``find(keys)`` / ``contains(keys)`` (positions of ids, by key)."""
+
+    def __init__(self, jsonl_path: Path, kind: str, records: np.ndarray, positions_base: int = 0):
+        self.jsonl_path, self.kind, self.records = Path(jsonl_path), kind, records
+        self.positions_base = positions_base  # position of record 0 in the whole file's index (rank_share)
+        self._fd: int | None = None
+        self._fd_pid = -1
+        self._order: np.ndarray | None = None  # argsort of keys, made by the first find()
+        self._sorted_keys: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.records.shape[0])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.records["offset"]
+
+    @property
+    def num_bytes(self) -> np.ndarray:
+        return self.records["num_bytes"]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """uint32 [n]: tokens per row (rows: input_ids; responses: prompt + completion; questions: 0)."""
+        return self.records["num_tokens"]
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.records["key"]
+
+    @property
+    def flags(self) -> np.ndarray:
+        return self.records["flags"]
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the JSONL file the records cover (from 0 up to the end of the last line indexed)."""
+        if not len(self):
+            return 0
+        return int(self.offsets[-1]) + int(self.num_bytes[-1])
+
+    def subset(self, which) -> "RowIndex":
+        """The index of some of the rows (a slice: a view, no copy; positions: a copy of their records)."""
+        base = self.positions_base + (which.indices(len(self))[0] if isinstance(which, slice) else 0)
+        return RowIndex(self.jsonl_path, self.kind, self.records[which], base if isinstance(which, slice) else 0)
+
+    def rank_share(self, rank: int, world_size: int) -> "RowIndex":
+        """Rows [rank * n // world_size, (rank + 1) * n // world_size): one rank's contiguous block."""
+        n = len(self)
+        return self.subset(slice(rank * n // world_size, (rank + 1) * n // world_size))
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._fd_pid != os.getpid():  # a forked child opens its own
+            self._fd, self._fd_pid = os.open(self.jsonl_path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None and self._fd_pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def line(self, i: int) -> bytes:
+        """The bytes of row ``i``'s line, newline included."""
+        offset, size = int(self.offsets[i]), int(self.num_bytes[i])
+        data = os.pread(self._descriptor(), size, offset)
+        if len(data) != size or not data.endswith(b"\n"):
+            raise FormatError(f"{self.jsonl_path}: the line at byte {offset} is not what its index "
+                              f"({row_index_path(self.jsonl_path).name}) says: the file changed; delete the index "
+                              "to have it rebuilt")
+        return data
+
+    def record(self, i: int) -> dict:
+        """Row ``i``'s JSON record."""
+        try:
+            d = json.loads(self.line(i))
+        except json.JSONDecodeError as e:
+            raise FormatError(f"{self.jsonl_path}: row {self.positions_base + i} (byte {int(self.offsets[i])}): "
+                              f"not valid JSON ({e.msg})") from None
+        if id_key(d.get("id", "")) != int(self.keys[i]):
+            raise FormatError(f"{self.jsonl_path}: row {self.positions_base + i} holds id {d.get('id')!r}, not the "
+                              f"one its index names: the file changed; delete {row_index_path(self.jsonl_path)}")
+        return d
+
+    def row(self, i: int) -> TrainingRow:
+        """Row ``i`` as a checked TrainingRow (kind rows)."""
+        return TrainingRow.from_json(self.record(i), where=f"{self.jsonl_path} row {self.positions_base + i}")
+
+    def records_at(self, positions=None) -> Iterator[tuple[int, dict]]:
+        """(position, record) of the rows at ``positions`` (all when None), read in ascending file order."""
+        todo = np.arange(len(self)) if positions is None else np.sort(np.asarray(positions, dtype=np.int64))
+        for i in todo:
+            yield int(i), self.record(int(i))
+
+    def rows(self, positions=None) -> Iterator[TrainingRow]:
+        for i, d in self.records_at(positions):
+            yield TrainingRow.from_json(d, where=f"{self.jsonl_path} row {self.positions_base + i}")
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """int64 [n]: the position of each key's first row, -1 where no row has it."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not len(self):
+            return np.full(keys.shape, -1, dtype=np.int64)
+        if self._order is None:
+            self._order = np.argsort(self.keys, kind="stable")  # [n]: equal keys keep file order
+            self._sorted_keys = np.asarray(self.keys)[self._order]  # [n]
+        at = np.searchsorted(self._sorted_keys, keys).clip(max=len(self) - 1)
+        return np.where(self._sorted_keys[at] == keys, self._order[at], -1).astype(np.int64)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self.find(keys) >= 0
+
+
+def _empty_records() -> np.ndarray:
+    return np.empty(0, dtype=ROW_INDEX_DTYPE)
+
+
+def _read_index_file(index_path: Path, kind: str) -> tuple[np.ndarray | None, bool]:
+    """(records of an index file as a read-only memory map, or None when it is missing or not of ``kind``; whether
+    the file holds exactly them: False after a crash in the middle of appending a record, left out)."""
+    try:
+        size = index_path.stat().st_size
+        with open(index_path, "rb") as f:
+            header = f.read(ROW_INDEX_HEADER_BYTES)
+    except FileNotFoundError:
+        return None, False
+    if header != _index_header(kind):
+        return None, False
+    n, partial = divmod(size - ROW_INDEX_HEADER_BYTES, ROW_INDEX_DTYPE.itemsize)
+    if n <= 0:
+        return _empty_records(), not partial
+    records = np.memmap(index_path, dtype=ROW_INDEX_DTYPE, mode="r", offset=ROW_INDEX_HEADER_BYTES, shape=(n,))
+    return records, not partial
+
+
+def _index_describes(jsonl_path: Path, kind: str, records: np.ndarray) -> bool:
+    """Whether ``records`` still describe the start of the file: lines in ascending, non-overlapping order, and
+    the lines of a spread of them (first, last, between) hold the ids and lengths they name."""
+    if not len(records):
+        return True
+    offsets, sizes = records["offset"], records["num_bytes"]
+    if int(offsets[0]) < 0:
+        return False
+    for start in range(0, len(records) - 1, 1 << 20):  # in blocks: a few MB of temporaries whatever the rows
+        stop = min(start + (1 << 20), len(records) - 1)
+        if not bool((offsets[start + 1: stop + 1] >= offsets[start:stop] + sizes[start:stop]).all()):
+            return False
+    picks = np.unique(np.linspace(0, len(records) - 1, ROW_INDEX_SPOT_CHECKS).astype(np.int64))
+    with open(jsonl_path, "rb") as f:
+        for i in picks:
+            offset, size = int(offsets[i]), int(sizes[i])
+            if offset > 0:
+                f.seek(offset - 1)
+                if f.read(1) != b"\n":
+                    return False
+            else:
+                f.seek(0)
+            line = f.read(size)
+            if len(line) != size or not line.endswith(b"\n"):
+                return False
+            try:
+                described = describe_record(kind, json.loads(line))
+            except (ValueError, FormatError):
+                return False
+            if described != (int(records["key"][i]), int(records["num_tokens"][i]), int(records["flags"][i])):
+                return False
+    return True
+
+
+def _scan_lines(jsonl_path: Path, kind: str, start: int) -> Iterator[bytes]:
+    """The packed index record of each line of ``jsonl_path`` from byte ``start`` on (parsing each), blank lines
+    skipped. A torn last line raises FormatError (a writer repairs it first: repair_jsonl)."""
+    with open(jsonl_path, "rb") as f:
+        f.seek(start)
+        offset = start
+        for line in f:
+            size = len(line)
+            if line.strip():
+                if not line.endswith(b"\n"):
+                    raise FormatError(f"{jsonl_path}: torn last line (no newline, at byte {offset}); run the stage "
+                                      "that writes it again to repair it")
+                where = f"{jsonl_path} (line at byte {offset})"
+                try:
+                    d = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise FormatError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+                if not isinstance(d, dict):
+                    raise FormatError(f"{where}: not a JSON object")
+                key, num_tokens, flags = describe_record(kind, d, where)
+                yield _ROW_INDEX_RECORD.pack(offset, size, num_tokens, key, flags)
+            offset += size
+
+
+def _record_chunks(records: np.ndarray) -> Iterator[bytes]:
+    for start in range(0, len(records), 1 << 20):  # a memory map copied a few MB at a time
+        yield np.ascontiguousarray(records[start: start + (1 << 20)]).tobytes()
+
+
+def _write_index_atomic(index_path: Path, kind: str, parts) -> None:
+    """Write an index file from its records, given as byte strings (packed records, in order)."""
+    tmp = tmp_path_for(index_path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_index_header(kind))
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, index_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def open_row_index(jsonl_path: Path, kind: str, *, missing_ok: bool = False) -> RowIndex:
+    """The index of a JSONL file, checked against it and brought up to date.
+
+    A missing index, or one that no longer describes the file (the file replaced or edited) is rebuilt by parsing
+    the file once, streamed into a new index file (atomically); one that stops short of the file's end (a crash
+    after a line, before its index record) is completed by parsing the lines past its end. Records past the file's
+    end (lost by a power cut with their lines) are dropped. Where the index cannot be saved (a read-only copy) it
+    is kept in this process's memory. ``missing_ok``: an absent JSONL file is an empty index instead of an error."""
+    jsonl_path = Path(jsonl_path)
+    index_path = row_index_path(jsonl_path)
+    if not jsonl_path.exists():
+        if missing_ok:
+            return RowIndex(jsonl_path, kind, _empty_records())
+        raise FileNotFoundError(f"{jsonl_path} not found")
+    size = jsonl_path.stat().st_size
+    records, whole = _read_index_file(index_path, kind)
+    kept = records
+    if records is not None:
+        # records whose line ends within the file (lines end in ascending order: a binary search, no array)
+        within = bisect.bisect_right(range(len(records)), size,
+                                     key=lambda i: int(records["offset"][i]) + int(records["num_bytes"][i]))
+        kept = records[:within]
+        if not _index_describes(jsonl_path, kind, kept):
+            log.warning("%s does not describe %s any more (the file was replaced or edited): rebuilding it",
+                        index_path, jsonl_path)
+            kept = None
+    started = time.monotonic()
+    if kept is None:
+        parts, tail_from, rebuilt = [], 0, True
+    else:
+        end = int(kept["offset"][-1]) + int(kept["num_bytes"][-1]) if len(kept) else 0
+        parts, tail_from, rebuilt = _record_chunks(kept), end, False
+    tail = _scan_lines(jsonl_path, kind, tail_from)
+    if not rebuilt:
+        first = next(tail, None)
+        if first is None and len(kept) == len(records) and whole:
+            return RowIndex(jsonl_path, kind, kept)  # up to date
+        tail = itertools.chain([first] if first is not None else [], tail)
+    try:
+        _write_index_atomic(index_path, kind, itertools.chain(parts, tail))
+    except OSError as e:  # a read-only copy of the data: the index is kept in memory for this process
+        log.warning("could not save %s (%s): kept in memory", index_path, e)
+        buf = bytearray(b"".join(_record_chunks(kept)) if kept is not None else b"")
+        for record in _scan_lines(jsonl_path, kind, tail_from):
+            buf += record
+        return RowIndex(jsonl_path, kind, np.frombuffer(bytes(buf), dtype=ROW_INDEX_DTYPE))
+    records, _ = _read_index_file(index_path, kind)
+    if rebuilt:
+        log.info("indexed %s: %d rows in %.1f s (%s)", jsonl_path, len(records), time.monotonic() - started,
+                 index_path.name)
+    return RowIndex(jsonl_path, kind, records)
+
+
+class IndexedJsonlWriter:
+    """Writes records to a JSONL file and its row index in step: each record one line, then its index record.
+
+    Appending (default): continues the file (a torn last line repaired, the index brought up to date first); every
+    line is flushed as it is written, the index records at each fsync and on close (after a crash the next open
+    indexes the lines past the index's end). ``new=True``: writes a fresh file and index under temporary names;
+    ``commit()`` puts them in place (the old index removed first, so an index is never left beside a file it does
+    not describe); closing without ``commit()`` deletes them."""
+
+    def __init__(self, path: Path, kind: str, *, new: bool = False, fsync_every: int = 64):
+        if kind not in ROW_INDEX_KINDS:
+            raise ValueError(f"unknown row index kind {kind!r}")
+        self.path, self.kind, self.new = Path(path), kind, new
+        self.index_path = row_index_path(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows = 0  # records written by this writer
+        self._fsync_every, self._since_sync = fsync_every, 0
+        self._committed = False
+        if new:
+            self._data_path, self._index_target = tmp_path_for(self.path), tmp_path_for(self.index_path)
+            self._data = open(self._data_path, "wb")
+            self._index = open(self._index_target, "wb")
+            self._index.write(_index_header(kind))
+            self._size = 0
+        else:
+            self._data_path, self._index_target = self.path, self.index_path
+            repair_jsonl(self.path)
+            if self.path.exists():
+                open_row_index(self.path, kind).close()  # brought up to date with the file, saved
+            else:
+                self.index_path.unlink(missing_ok=True)  # an index left without its file
+                _write_index_atomic(self.index_path, kind, ())
+            self._data = open(self.path, "ab")
+            self._index = open(self.index_path, "ab")
+            self._size = self.path.stat().st_size if self.path.exists() else 0
+
+    def write(self, record: dict) -> None:
+        key, num_tokens, flags = describe_record(self.kind, record, str(self.path))
+        self.write_line((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"), key, num_tokens, flags)
+
+    def write_line(self, line: bytes, key: int, num_tokens: int, flags: int = 0) -> None:
+        """Write one already serialised record (``json.dumps(record, ensure_ascii=False) + "\\n"``, UTF-8) with the
+        fields of its index record (describe_record)."""
+        self._data.write(line)
+        if not self.new:
+            self._data.flush()
+        self._index.write(_ROW_INDEX_RECORD.pack(self._size, len(line), num_tokens, key, flags))
+        self._size += len(line)
+        self.rows += 1
+        self._since_sync += 1
+        if not self.new and self._since_sync >= self._fsync_every:
+            self._sync()
+
+    def _sync(self) -> None:
+        self._data.flush()
+        os.fsync(self._data.fileno())
+        self._index.flush()
+        self._since_sync = 0
+
+    def commit(self) -> None:
+        """new=True: put the file and its index in place (the old index removed first). Appending: close."""
+        if not self.new:
+            self.close()
+            return
+        for f in (self._data, self._index):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self.index_path.unlink(missing_ok=True)
+        os.replace(self._data_path, self.path)
+        os.replace(self._index_target, self.index_path)
+        self._committed = True
+
+    def close(self) -> None:
+        if self._data.closed:
+            return
+        if self.new and not self._committed:
+            self._data.close()
+            self._index.close()
+            self._data_path.unlink(missing_ok=True)
+            self._index_target.unlink(missing_ok=True)
+            return
+        self._sync()
+        self._data.close()
+        self._index.close()
+
+    def __enter__(self) -> "IndexedJsonlWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def rewrite_without(index: RowIndex, drop: np.ndarray) -> RowIndex:
+    """Rewrite ``index``'s JSONL file without the rows where ``drop`` is True, copying the other lines' bytes as
+    they are (no parsing), and its index; both atomically, the old index removed first. Returns the new index."""
+    path, index_path = index.jsonl_path, row_index_path(index.jsonl_path)
+    keep = ~np.asarray(drop, dtype=bool)
+    records = np.array(index.records[keep])  # [kept]
+    sizes = records["num_bytes"].astype(np.int64)
+    old_offsets = records["offset"].copy()
+    records["offset"] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(records) else sizes
+    tmp = tmp_path_for(path)
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for offset, size in zip(old_offsets.tolist(), sizes.tolist()):
+            src.seek(offset)
+            dst.write(src.read(size))
+        dst.flush()
+        os.fsync(dst.fileno())
+    index.close()
+    index_path.unlink(missing_ok=True)
+    os.replace(tmp, path)
+    _write_index_atomic(index_path, index.kind, _record_chunks(records))
+    return RowIndex(path, index.kind, records)
+
+
+def remove_indexed_jsonl(path: Path) -> None:
+    """Delete a JSONL file and its index (an --overwrite)."""
+    for p in (Path(path), row_index_path(path)):
+        if p.exists():
+            log.warning("--overwrite: deleting %s", p)
+            p.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Synthetic (stage 01b): responses.jsonl / data.jsonl / errors.jsonl, one id in at most one of responses / errors
 
 
@@ -560,13 +1127,7 @@ def load_request_errors(path: Path) -> Iterator[RequestError]:
             raise FormatError(f"{path}:{i}: error record does not match the RequestError format ({e})") from None
 
 
-def _ids_with_duplicates(path: Path) -> tuple[set[str], set[str]]:
-    seen: set[str] = set()
-    dup: set[str] = set()
-    if Path(path).exists():
-        for d in read_jsonl(path):
-            (dup if d["id"] in seen else seen).add(d["id"])
-    return seen, dup
+CHECK_EXAMPLES = 20  # ids SyntheticCheck lists per problem (the counts are whole)
 
 
 @dataclass
@@ -577,28 +1138,78 @@ class SyntheticCheck:
     finished: int  # distinct ids in responses.jsonl
     errored: int  # distinct ids in errors.jsonl
     trained: int  # distinct ids in data.jsonl
-    duplicated: list[str]  # ids written twice in one file, or present in both responses and errors
-    missing: list[str]  # expected ids in neither responses nor errors
-    data_without_response: list[str]  # ids in data.jsonl with no response record
+    num_duplicated: int  # ids written twice in one file, or present in both responses and errors
+    num_missing: int  # expected ids in neither responses nor errors
+    num_data_without_response: int  # ids in data.jsonl with no response record
+    duplicated: list[str] = field(default_factory=list)  # up to CHECK_EXAMPLES of each, for messages
+    missing: list[str] = field(default_factory=list)
+    data_without_response: list[str] = field(default_factory=list)
 
     def ok(self) -> bool:
-        return not (self.duplicated or self.missing or self.data_without_response)
+        return not (self.num_duplicated or self.num_missing or self.num_data_without_response)
 
     def figures(self) -> str:
         return (f"ids sent {self.expected}, finished {self.finished}, errored {self.errored}, "
-                f"in data {self.trained}, duplicated {len(self.duplicated)}, missing {len(self.missing)}")
+                f"in data {self.trained}, duplicated {self.num_duplicated}, missing {self.num_missing}")
 
 
-def check_synthetic(dd: "DataDir", expected_ids: list[str]) -> SyntheticCheck:
-    """Every expected id in exactly one of responses/errors, none twice; every data row backed by a response."""
-    responses, dup_r = _ids_with_duplicates(dd.responses)
-    errors, dup_e = _ids_with_duplicates(dd.synthetic_errors)
-    data, dup_d = _ids_with_duplicates(dd.synthetic_data)
-    duplicated = sorted(dup_r | dup_e | dup_d | (responses & errors))
-    missing = sorted(set(expected_ids) - responses - errors)
-    return SyntheticCheck(expected=len(set(expected_ids)), finished=len(responses), errored=len(errors),
-                          trained=len(data), duplicated=duplicated, missing=missing,
-                          data_without_response=sorted(data - responses))
+def _unique_and_repeated(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct keys, sorted keys that occur more than once)."""
+    distinct, counts = np.unique(np.asarray(keys, dtype=np.uint64), return_counts=True)
+    return distinct, distinct[counts > 1]
+
+
+def _jsonl_ids(path: Path) -> Iterator[str]:
+    return (d["id"] for d in read_jsonl(path)) if Path(path).exists() else iter(())
+
+
+def _jsonl_id_keys(path: Path) -> np.ndarray:
+    """uint64 [n]: the keys of the ids of a JSONL file without an index (errors.jsonl), in file order."""
+    keys = array.array("Q", (id_key(i) for i in _jsonl_ids(path)))
+    return np.frombuffer(keys, dtype=np.uint64)
+
+
+def check_synthetic(dd: "DataDir", expected: "list[str] | RowIndex") -> SyntheticCheck:
+    """Every expected id in exactly one of responses/errors, none twice; every data row backed by a response.
+
+    ``expected``: the ids asked for, as a list or as the questions' RowIndex (what 01b passes: no id is held as a
+    string). Works on the id keys of the files' row indexes: arrays, 8 bytes an id."""
+    responses = open_row_index(dd.responses, "responses", missing_ok=True)
+    data = open_row_index(dd.synthetic_data, "rows", missing_ok=True)
+    r_keys, r_dup = _unique_and_repeated(responses.keys)
+    answered = KeySet(r_keys, sorted_unique=True)
+    e_keys, e_dup = _unique_and_repeated(_jsonl_id_keys(dd.synthetic_errors))
+    d_keys, d_dup = _unique_and_repeated(data.keys)
+    duplicated = np.union1d(np.union1d(r_dup, e_dup), np.union1d(d_dup, e_keys[answered.contains(e_keys)]))
+    without = d_keys[~answered.contains(d_keys)]
+    trained, errored = int(d_keys.size), int(e_keys.size)
+    del d_keys  # one array of every id at a time besides the answered ones
+    expected_distinct = np.unique(expected.keys if isinstance(expected, RowIndex) else id_keys(expected))
+    missing = expected_distinct[~answered.contains(expected_distinct)]
+    missing = missing[~KeySet(e_keys, sorted_unique=True).contains(missing)]
+
+    def ids_of(keys: np.ndarray, *sources) -> list[str]:
+        """The ids of the first CHECK_EXAMPLES keys, read from the first source that holds them: a RowIndex, or a
+        function giving ids (read only when a key is in no index)."""
+        out = []
+        for key in keys[:CHECK_EXAMPLES].tolist():
+            for source in sources:
+                if isinstance(source, RowIndex):
+                    at = int(source.find(np.array([key], dtype=np.uint64))[0])
+                    found = source.record(at)["id"] if at >= 0 else None
+                else:
+                    found = next((i for i in source() if id_key(i) == key), None)
+                if found is not None:
+                    out.append(found)
+                    break
+        return out
+
+    expected_ids = expected if isinstance(expected, RowIndex) else (lambda: iter(expected))
+    return SyntheticCheck(expected=int(expected_distinct.size), finished=len(answered), errored=errored,
+                          trained=trained, num_duplicated=int(duplicated.size), num_missing=int(missing.size),
+                          num_data_without_response=int(without.size),
+                          duplicated=ids_of(duplicated, responses, data, lambda: _jsonl_ids(dd.synthetic_errors)),
+                          missing=ids_of(missing, expected_ids), data_without_response=ids_of(without, data))
 
 
 # ---------------------------------------------------------------------------------------------------------------

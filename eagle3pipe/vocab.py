@@ -17,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .cli import StageError
@@ -28,6 +29,7 @@ from .records import (
     TrainingRow,
     VocabSummary,
     check_synthetic_finished,
+    open_row_index,
     read_jsonl,
     read_provenance,
     save_vocab,
@@ -43,38 +45,46 @@ def rows_file(cfg: PipelineConfig) -> Path:
     return dd.synthetic_data if cfg.extract.input == "synthetic" else dd.prepared_data
 
 
-def _count_lines(path: Path) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            n += chunk.count(b"\n")
-    return n
+COUNT_BATCH_TOKENS = 1 << 20  # supervised ids gathered before one bincount over the vocabulary
 
 
 def count_supervised_tokens(path: Path, vocab_size: int, every_s: float = 30.0,
                             watch: dict | None = None) -> tuple[torch.Tensor, int]:
     """(counts int64 [vocab_size], rows read): occurrences of each id at loss_mask == 1 positions. ``watch``
-    ({"id": token id}) also gets "count" (its occurrences at any position) and "first_row" (the first row's id)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    progress = Progress(_count_lines(path), unit="rows", every_s=every_s, logger=log, desc="Counting")
-    rows = 0
+    ({"id": token id}) also gets "count" (its occurrences at any position) and "first_row" (the first row's id).
+
+    Streams the rows (one in memory at a time; the row count comes from the file's row index, not a pass over it)
+    and counts their supervised ids in batches: one bincount over the vocabulary per COUNT_BATCH_TOKENS ids, not
+    one per row (a [V] pass per row was most of the time on short rows)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    progress = Progress(len(open_row_index(path, "rows")), unit="rows", every_s=every_s, logger=log, desc="Counting")
+    batch = np.empty(COUNT_BATCH_TOKENS, dtype=np.int64)  # supervised ids waiting for the next bincount
+    filled = rows = 0
     if watch is not None:
         watch.update(count=0, first_row="")
     for i, d in enumerate(read_jsonl(path), 1):
         row = TrainingRow.from_json(d, where=f"{path}:{i}")
-        ids = torch.tensor(row.input_ids, dtype=torch.int64)
+        ids = np.asarray(row.input_ids, dtype=np.int64)
         if watch is not None and (seen := int((ids == watch["id"]).sum())):
             watch["count"] += seen
             watch["first_row"] = watch["first_row"] or row.id
-        supervised = ids[torch.tensor(row.loss_mask, dtype=torch.bool)]  # [n_supervised]
-        if supervised.numel() and (int(supervised.max()) >= vocab_size or int(supervised.min()) < 0):
+        supervised = ids[np.asarray(row.loss_mask, dtype=bool)]  # [n_sup]
+        if supervised.size and (int(supervised.max()) >= vocab_size or int(supervised.min()) < 0):
             raise FormatError(f"{path}:{i}: token id {int(supervised.max())} outside the verifier vocabulary "
                               f"[0, {vocab_size}) (check --vocab-size)")
-        counts += torch.bincount(supervised, minlength=vocab_size)
+        if filled + supervised.size > batch.size:
+            counts += np.bincount(batch[:filled], minlength=vocab_size)
+            filled = 0
+        if supervised.size > batch.size:
+            counts += np.bincount(supervised, minlength=vocab_size)
+        else:
+            batch[filled: filled + supervised.size] = supervised
+            filled += supervised.size
         rows += 1
         progress.update(1)
+    counts += np.bincount(batch[:filled], minlength=vocab_size)
     progress.close()
-    return counts, rows
+    return torch.from_numpy(counts), rows
 
 
 def map_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

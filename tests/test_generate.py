@@ -23,12 +23,15 @@ from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.config import ConfigError, load_config
 from eagle3pipe.extract import run_extract
 from eagle3pipe.generate import run_generate
-from eagle3pipe.generate_requests import BadResponse, EmptyReasoningError, parse_completion
+from eagle3pipe.generate_requests import BadResponse, EmptyReasoningError, parse_completion, training_row
 from eagle3pipe.records import (
     DataDir,
+    IndexedJsonlWriter,
     Question,
     Response,
     check_synthetic,
+    id_key,
+    open_row_index,
     load_request_errors,
     load_responses,
     load_training_rows,
@@ -762,3 +765,95 @@ def test_post_json_returns_the_reply_and_sends_the_api_key(monkeypatch):
     finally:
         stub.close()
     assert stub.auth == [None, "Bearer k-123"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale (issue 27): the resume bookkeeping on arrays, the row indexes in step with the files
+
+
+def _finished_run(data_dir, n: int, unfinished: int) -> list[str]:
+    """questions.jsonl of n questions (as stage 01 writes it, with its index) and a 01b run stopped with all but
+    ``unfinished`` of them answered (responses and data rows, as 01b writes them)."""
+    dd = DataDir(data_dir)
+    ids = [f"q{i:06d}" for i in range(n)]
+    with IndexedJsonlWriter(dd.questions, "questions", new=True) as out:
+        for i, qid in enumerate(ids):
+            out.write(Question(id=qid, messages=[{"role": "user", "content": f"what is {i} + {i}?"}],
+                               source="drill").to_json())
+        out.commit()
+    with IndexedJsonlWriter(dd.responses, "responses") as responses, \
+            IndexedJsonlWriter(dd.synthetic_data, "rows") as data:
+        for qid in ids[: n - unfinished]:
+            responses.write(Response(id=qid, messages=[], reasoning="r", content="c", finish_reason="stop", usage={},
+                                     prompt_token_ids=[1, 2, 3], completion_token_ids=[5, 6, 7, 8], server="x",
+                                     latency_s=0.1).to_json())
+            data.write(training_row(qid, [1, 2, 3], [5, 6, 7, 8], "drill").to_json())
+    return ids
+
+
+def test_resume_of_many_finished_questions_keeps_tens_of_bytes_a_question(tmp_path, toy_llama, toy_meta):
+    """01b's start and resume hold the questions and the finished ids as arrays of 8-byte keys (and the row
+    indexes' memory maps), not a Python object per question: what it allocates grows by tens of bytes a question."""
+    from memory_bound import bytes_per_row
+
+    with StubServer("ok") as stub:
+        def setup(n: int):
+            folder = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+            _finished_run(folder, n, unfinished=8)
+            cfg = _config(folder, toy_llama, toy_meta, [stub.url], concurrency=4, max_samples=0)
+
+            def run():
+                summary = run_generate(cfg)
+                assert summary["finished"] == 8 and summary["skipped_finished"] == n - 8
+            return run
+
+        per_question = bytes_per_row(setup, 4000, 16000)
+    print(f"\nstage 01b allocates {per_question:.1f} bytes a question")
+    assert per_question < 64
+
+
+def test_row_indexes_stay_in_step_through_a_crash_and_a_resume(tmp_path, toy_llama, toy_meta):
+    """After a crash that left lines without their index records and a torn line, and a resume that rewrites
+    data.jsonl, every index equals an independent parse of its file."""
+    ids = _finished_run(tmp_path, 12, unfinished=6)
+    dd = DataDir(tmp_path)
+    late = Response(id=ids[6], messages=[], reasoning="", content="c", finish_reason="stop", usage={},
+                    prompt_token_ids=[1], completion_token_ids=[2], server="x", latency_s=0.1,
+                    flags=["empty_reasoning"])
+    with open(dd.responses, "a") as f:  # written by the crashed run, its index record not
+        f.write(json.dumps(late.to_json()) + "\n" + '{"id": "q000007", "mess')
+    with StubServer("ok") as stub:
+        summary = run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url], allow_empty_reasoning=True))
+        assert sum(stub.requests.values()) == 5  # q000006 finished before the crash
+    assert summary["finished"] == 5 and check_synthetic(dd, ids).ok()
+    assert ids[6] in {r.id for r in load_training_rows(dd.synthetic_data)}  # its data row restored
+    with StubServer("ok") as stub:  # the same folder without --allow-empty-reasoning: q000006's data row goes
+        run_generate(_config(tmp_path, toy_llama, toy_meta, [stub.url]))
+    assert sorted(r.id for r in load_training_rows(dd.synthetic_data)) == [i for i in ids if i != ids[6]]
+    for path, kind in ((dd.responses, "responses"), (dd.synthetic_data, "rows"), (dd.questions, "questions")):
+        index = open_row_index(path, kind)
+        lines = path.read_bytes().splitlines(keepends=True)
+        assert index.offsets.tolist() == [sum(map(len, lines[:i])) for i in range(len(lines))]
+        assert index.keys.tolist() == [id_key(json.loads(line)["id"]) for line in lines]
+        if kind != "questions":
+            tokens = [len(d["input_ids"]) if kind == "rows" else len(d["prompt_token_ids"]) +
+                      len(d["completion_token_ids"]) for d in map(json.loads, lines)]
+            assert index.lengths.tolist() == tokens
+
+
+def test_trainable_mask_on_index_bits_agrees_with_trainable_on_records():
+    """The resume decides trainability from the responses index's flag bits; every combination of flags (and an
+    unknown one), with and without a completion, under each setting, agrees with trainable() on the record."""
+    import itertools
+
+    from eagle3pipe.generate_requests import trainable, trainable_mask
+    from eagle3pipe.records import RESPONSE_FLAGS, response_bits
+
+    names = list(RESPONSE_FLAGS) + ["flag_of_a_later_version"]
+    records = [{"flags": [n for n, on in zip(names, bits) if on], "completion_token_ids": ids, "reasoning": "r"}
+               for bits in itertools.product([0, 1], repeat=len(names)) for ids in ([], [5])]
+    bits = [response_bits(d) for d in records]
+    for include_truncated, allow_empty in itertools.product([False, True], repeat=2):
+        expected = [bool(d["completion_token_ids"]) and trainable(d["flags"], include_truncated, allow_empty)
+                    for d in records]
+        assert trainable_mask(bits, include_truncated, allow_empty).tolist() == expected

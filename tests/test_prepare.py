@@ -247,3 +247,115 @@ def test_a_row_with_an_id_past_the_models_rows_stops_the_stage(tmp_path, toy_kim
     assert r.returncode == 0, r.stderr[-2000:]
     rows = list(load_training_rows(tmp_path / "d2/prepared/data.jsonl"))
     assert len(rows) == 2 and max(max(row.input_ids) for row in rows) == vocab
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale (issue 27): worker processes, a seeded sample per dataset, memory flat in the row count
+
+
+def _mixed_sources(folder: Path, n: int) -> list[Path]:
+    """A JSON Lines file of n conversations with every kind of drop among them, a JSON array, a parquet file."""
+    rows = [{"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                          {"role": "assistant", "content": str(i + i % 7) * (1 + i % 9)}]} for i in range(n)]
+    rows[5] = {"messages": [{"role": "robot", "content": "bad role"}]}
+    rows[9] = {"messages": [{"role": "user", "content": "only a question, no answer"}]}
+    rows[40] = rows[3]  # a duplicate, decided across batches and workers
+    rows[77] = {"messages": [{"role": "user", "content": "x" * 3000}, {"role": "assistant", "content": "long"}]}
+    lines = [json.dumps(r) for r in rows]
+    lines[100] = "{broken json"
+    folder.mkdir(parents=True, exist_ok=True)
+    chats = folder / "chats.jsonl"
+    chats.write_text("\n".join(lines[:50]) + "\n\n" + "\n".join(lines[50:]) + "\n")  # a blank line keeps its number
+    sharegpt = folder / "sharegpt.json"
+    sharegpt.write_text(json.dumps([SHAREGPT_ROW, 7, SHAREGPT_ROW]))
+    blend = folder / "perfectblend.parquet"
+    datasets.Dataset.from_list([PERFECTBLEND_ROW] * 2).to_parquet(str(blend))
+    return [chats, sharegpt, blend]
+
+
+def test_worker_processes_write_exactly_what_one_process_writes(tmp_path, toy_llama, toy_meta, caplog):
+    """prepare.num_proc: the rows are rendered in worker processes, batch by batch, and written in read order, so
+    every output byte (rows, questions, drops, both row indexes) equals the single-process run's; the ids are the
+    tokenizer's own rendering of each conversation."""
+    import logging
+
+    sources = _mixed_sources(tmp_path / "src", 400)
+    outputs = {}
+    for num_proc in (1, 2):
+        cfg = make_cfg(toy_llama, toy_meta, tmp_path / f"p{num_proc}", sources, max_samples=0, num_proc=num_proc)
+        with caplog.at_level(logging.INFO):
+            counts = run_prepare(cfg)
+        dd = DataDir(tmp_path / f"p{num_proc}")
+        outputs[num_proc] = {p.name: p.read_bytes() for p in sorted(dd.prepared.iterdir())
+                             if p.name != "provenance.json"}
+    assert "rendering with 2 worker processes" in caplog.text
+    assert sorted(outputs[2]) == ["data.index", "data.jsonl", "errors.jsonl", "questions.index", "questions.jsonl"]
+    assert outputs[1] == outputs[2]
+    assert counts["rows_read"] == 400 + 3 + 2 and counts["question_only"] == 1
+    errors = [json.loads(x) for x in outputs[2]["errors.jsonl"].splitlines()]
+    assert [(e["source"], e["row"], e["reason"].split(":")[0]) for e in errors] == [
+        ("chats", 5, "malformed"), ("chats", 40, "duplicate conversation"), ("chats", 78, "too long"),
+        ("chats", 101, "malformed"), ("sharegpt", 1, "malformed"), ("sharegpt", 2, "duplicate conversation"),
+        ("perfectblend", 1, "duplicate conversation")]
+    tok = load_tokenizer(toy_llama)
+    rows = {r.id: r for r in load_training_rows(tmp_path / "p2/prepared/data.jsonl")}
+    for i in (0, 63, 64, 200, 399):  # rows of several batches
+        messages = normalize_messages({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                                                    {"role": "assistant", "content": str(i + i % 7) * (1 + i % 9)}]})
+        ids, mask = tokenize_with_loss_mask(tok, messages, thinking=True)
+        row = rows[conversation_id("chats", messages)]
+        assert (row.input_ids, row.loss_mask) == (ids, mask)
+
+
+def test_max_samples_is_a_seeded_sample_of_each_dataset(tmp_path, toy_llama, toy_meta):
+    """--max-samples N: N questions from each dataset, drawn with shared.seed; rows of the draw that are dropped are
+    replaced by the draw's next rows (written after the first N, each batch in file order); the same seed draws the
+    same rows, another seed others."""
+    from eagle3pipe.prepare import sample_order
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    bad = {3, 11, 12, 30, 31, 32, 47}
+    for path, n in ((a, 60), (b, 25)):
+        path.write_text("".join(
+            ("{not json\n" if path == a and i in bad else json.dumps(
+                {"messages": [{"role": "user", "content": f"{path.stem} {i}?"},
+                              {"role": "assistant", "content": f"answer {i}"}]}) + "\n") for i in range(n)))
+
+    def kept(seed: int, folder: str) -> dict[str, list[int]]:
+        cfg = make_cfg(toy_llama, toy_meta, tmp_path / folder, [a, b], max_samples=20)
+        cfg.shared.seed = seed
+        counts = run_prepare(cfg)
+        assert counts["questions"] == 40
+        out: dict[str, list[int]] = {}
+        for q in load_questions(tmp_path / folder / "prepared/questions.jsonl"):
+            out.setdefault(q.source, []).append(int(q.messages[0]["content"].split()[1].rstrip("?")))
+        return out
+
+    got = kept(0, "s0")
+    draw = sample_order(60, 0, "a").tolist()
+    first = sorted(i for i in draw[:20] if i not in bad)  # the draw's first 20 rows, less the unreadable ones
+    assert got["a"][: len(first)] == first and len(first) < 20
+    assert sorted(got["a"]) == sorted([i for i in draw if i not in bad][:20])  # the draw's first 20 readable rows
+    assert got["b"] == sorted(sample_order(25, 0, "b")[:20].tolist())
+    assert kept(0, "s0b") == got
+    assert kept(1, "s1")["a"] != got["a"]
+
+
+def test_prepare_keeps_tens_of_bytes_a_row(tmp_path, toy_llama, toy_meta):
+    """Stage 01's row handling allocates a few tens of bytes per row at most (the id key of each kept
+    conversation), not the rows: rows and questions go to disk as they are rendered."""
+    from memory_bound import bytes_per_row
+
+    def setup(n: int):
+        folder = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        src = folder / "chats.jsonl"
+        src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                                                        {"role": "assistant", "content": str(i + i % 7)}]}) + "\n"
+                               for i in range(n)))
+        cfg = make_cfg(toy_llama, toy_meta, folder / "d", [src], max_samples=0, num_proc=1)
+        return lambda: run_prepare(cfg)
+
+    per_row = bytes_per_row(setup, 2000, 8000)
+    print(f"\nstage 01 allocates {per_row:.1f} bytes a row")
+    assert per_row < 64

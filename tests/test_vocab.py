@@ -96,6 +96,23 @@ def test_door_writes_vocab_and_skips_an_unchanged_rerun(tmp_path, toy_llama, toy
     assert run_stage("vocab", "03_vocab", run_vocab, None, argv + ["--data-dir", str(tmp_path / "none")]) == 2
 
 
+def test_counting_keeps_tens_of_bytes_a_row(tmp_path, toy_llama):
+    """Stage 03 streams the rows: what it allocates does not grow with their number (issue 27; it streamed before
+    too, this keeps it so)."""
+    from memory_bound import bytes_per_row
+
+    def setup(n: int):
+        folder = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        write_rows(folder, make_rows(n, seed=2, min_len=8, max_len=16), which="prepared")
+        cfg = toy_config(folder, toy_llama)
+        cfg.extract.input = "prepared"
+        return lambda: run_vocab(cfg)
+
+    per_row = bytes_per_row(setup, 5000, 20000)
+    print(f"\nstage 03 allocates {per_row:.1f} bytes a row")
+    assert per_row < 64
+
+
 # -- issue 31: the DFlash mask token, by name, from the verifier's own tokenizer ----------------------------------
 
 

@@ -1,0 +1,461 @@
+"""Scale benchmark (issue 27): each stage's memory and start-up against the number of rows, on synthetic rows for the
+tiny toy verifier.
+
+For every stage and size, the stage runs in a fresh process (so that its peak RSS is the stage's own), on inputs
+made beforehand (not timed), and the bench reports: the process's RSS before the stage and its peak, the growth
+(peak - before) and that growth per row, the peak RSS of its worker processes, the time to its first unit of work,
+and its steady state in seconds per 10^5 rows. From those it projects RAM and start-up to a dataset of 10^9 and
+6 * 10^9 tokens (``--tokens-per-row``, 10^4 by default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k
+samples).
+
+Stages (``STAGES``; stage 02 and 04 offline / online are to be added as entries, up to their first requests and
+then a bounded run):
+
+- ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default).
+  First unit: the first row rendered and written; steady: the rows after it.
+- ``01b``: N questions of which all but W were answered by an earlier run that stopped (a resume at >= 90 %; W =
+  N / 10, at least 1000, at most 20000), a fast local stub (an aiohttp server in its own process) stands in for vLLM
+  and answers the W at once. First unit: the first request the stub receives; steady: the W requests.
+- ``03``: N rows of 8-16 tokens -> run_vocab. First unit: the first row counted; steady: the rows after it.
+
+Usage:
+    .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 --json out.json
+    .venv/bin/python bench/bench_scale.py --repo /path/to/another/checkout ...   # another version, same inputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs (made in the parent with this checkout's writers, so the row indexes a stage would have written are there;
+# an older version reads the same JSONL files and ignores them)
+
+
+def make_conversations(folder: Path, n: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "chats.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                                             {"role": "assistant", "content": str(i + i % 7)}]}) + "\n")
+
+
+def unfinished_01b(n: int) -> int:
+    return min(max(n // 10, 1000), 20000, n)
+
+
+def make_01b_resume(folder: Path, n: int) -> None:
+    """questions.jsonl of n questions (as 01 writes it) and a 01b run stopped with all but unfinished_01b(n)
+    answered (responses and data rows with their indexes, as 01b writes them)."""
+    sys.path.insert(0, str(REPO))
+    from eagle3pipe.records import DataDir, IndexedJsonlWriter
+
+    dd = DataDir(folder)
+    with IndexedJsonlWriter(dd.questions, "questions", new=True) as out:
+        for i in range(n):
+            out.write({"id": f"{i:016x}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}],
+                       "source": "bench"})
+        out.commit()
+    with IndexedJsonlWriter(dd.responses, "responses") as responses, \
+            IndexedJsonlWriter(dd.synthetic_data, "rows") as data:
+        for i in range(n - unfinished_01b(n)):
+            qid = f"{i:016x}"
+            responses.write({"id": qid, "messages": [], "reasoning": "r", "content": "c", "finish_reason": "stop",
+                             "usage": {}, "prompt_token_ids": [1, 2, 3], "completion_token_ids": [5, 6, 7, 8],
+                             "server": "stub", "latency_s": 0.1, "token_ids_source": "server", "flags": [],
+                             "reasoning_field": "reasoning"})
+            data.write({"id": qid, "input_ids": [1, 2, 3, 5, 6, 7, 8], "loss_mask": [0, 0, 0, 1, 1, 1, 1],
+                        "source": "bench"})
+
+
+def make_rows(folder: Path, n: int) -> None:
+    sys.path.insert(0, str(REPO))
+    from eagle3pipe.records import DataDir, IndexedJsonlWriter
+
+    with IndexedJsonlWriter(DataDir(folder).prepared_data, "rows", new=True) as out:
+        for i in range(n):
+            length = 8 + i % 9
+            out.write({"id": f"{i:016x}", "input_ids": [(i * 7 + k * 13) % 1000 for k in range(length)],
+                       "loss_mask": [0] * 3 + [1] * (length - 3), "source": "bench"})
+        out.commit()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages: what the child runs. Each returns {"first_s": seconds from the stage call to its first unit of work,
+# "steady_units": units after the first, "steady_s": their seconds}
+
+
+def _config(toy: Path, data_dir: Path, **sections):
+    from eagle3pipe.config import load_config
+
+    meta = json.loads((toy / "toy_verifier.json").read_text())
+    shared = {"data_dir": str(data_dir), "verifier": str(toy), "think_token_id": meta["think_token_id"],
+              "response_token_id": meta["response_token_id"], "max_seq_len": 256, "progress_every_s": 3600.0,
+              "vocab_size": meta["vocab_size"], "hidden_size": meta["hidden_size"],
+              "aux_layer_ids": meta["aux_layer_ids"], "draft_vocab_size": 64}
+    shared.update(sections.pop("shared", {}))
+    return load_config(overrides={"shared": shared, **sections})
+
+
+def _progress_clock(desc_prefix: str) -> dict:
+    """Time the first and last Progress.update of the progress named ``desc_prefix``: the stage's row loop."""
+    from eagle3pipe import progress
+
+    clock: dict = {}
+    update = progress.Progress.update
+
+    def timed(self, *args, **kwargs):
+        if self.desc.startswith(desc_prefix):
+            now = time.monotonic()
+            clock.setdefault("first", now)
+            clock["last"] = now
+            clock["calls"] = clock.get("calls", 0) + 1
+        return update(self, *args, **kwargs)
+
+    progress.Progress.update = timed
+    return clock
+
+
+def run_01(toy: Path, work: Path, n: int, args) -> dict:
+    import dataclasses as dc
+
+    from eagle3pipe.config import PrepareConfig
+    from eagle3pipe.prepare import run_prepare
+
+    prepare = {"dataset": [str(work / "input" / "chats.jsonl")], "max_samples": 0}
+    if args.num_proc and "num_proc" in {f.name for f in dc.fields(PrepareConfig)}:
+        prepare["num_proc"] = args.num_proc
+    cfg = _config(toy, work / "run", prepare=prepare)
+    clock = _progress_clock("Prepare")
+    start = time.monotonic()
+    run_prepare(cfg)
+    return {"first_s": clock["first"] - start, "steady_units": clock["calls"] - 1,
+            "steady_s": clock["last"] - clock["first"]}
+
+
+def run_01b(toy: Path, work: Path, n: int, args) -> dict:
+    import urllib.request
+
+    from eagle3pipe.generate import run_generate
+
+    cfg = _config(toy, work / "run", shared={"vllm_url": [args.stub_url]},
+                  generate={"served_model_name": "stub", "min_completion_tokens": 1, "max_samples": 0,
+                            "concurrency": 64, "max_retries": 0})
+    urllib.request.urlopen(urllib.request.Request(args.stub_url + "/reset", method="POST")).read()
+    start = time.time()
+    summary = run_generate(cfg)
+    stats = json.loads(urllib.request.urlopen(args.stub_url + "/stats").read())
+    assert summary["finished"] == unfinished_01b(n) == stats["count"], (summary, stats)
+    return {"first_s": stats["first"] - start, "steady_units": stats["count"] - 1,
+            "steady_s": stats["last"] - stats["first"]}
+
+
+def run_03(toy: Path, work: Path, n: int, args) -> dict:
+    from eagle3pipe.vocab import run_vocab
+
+    cfg = _config(toy, work / "run", extract={"input": "prepared"})
+    clock = _progress_clock("Counting")
+    start = time.monotonic()
+    run_vocab(cfg)
+    return {"first_s": clock["first"] - start, "steady_units": clock["calls"] - 1,
+            "steady_s": clock["last"] - clock["first"]}
+
+
+@dataclasses.dataclass
+class Stage:
+    make: Callable[[Path, int], None]  # inputs for n rows into a folder (parent, once per size)
+    inputs: str  # "input": the folder is read only; "run": the stage writes into it (copied afresh per run)
+    run: Callable  # in the child: (toy, work, n, args) -> timings
+    unit: str
+    modules: tuple  # the stage's modules and what it imports on its way (imported before the baseline RSS)
+
+
+STAGES = {
+    "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",)),
+    "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",)),
+    "03": Stage(make_rows, "run", run_03, "rows", ("eagle3pipe.vocab", "speculators.train.vocab_mapping")),
+}
+
+
+def child(args) -> None:
+    """Run one stage once and print its figures as one JSON line."""
+    import logging
+
+    import psutil
+
+    sys.path.insert(0, str(args.repo))
+    os.chdir(args.repo)  # the package (and, for spawned workers, the stage module) from the checkout measured
+    logging.basicConfig(level=logging.WARNING)
+    work = Path(args.work)
+    stage = STAGES[args.child]
+    # the stage's module imported before the baseline: what the stage allocates is measured, not the libraries
+    import importlib
+
+    for module in stage.modules:
+        importlib.import_module(module)
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    anon_before, file_before = _rss_split()
+    workers = {"peak": 0, "anon": anon_before, "file": file_before}
+    stop = threading.Event()
+
+    def sample() -> None:  # every 50 ms: this process's anonymous and file-backed RSS (the row indexes are memory
+        while not stop.wait(0.05):  # maps: page cache, counted in RSS), and the worker processes' RSS summed
+            total = 0  # (ru_maxrss of children would count the parent's pages each fork+exec copies for an instant)
+            for c in me.children(recursive=True):
+                try:
+                    total += c.memory_info().rss
+                except psutil.Error:
+                    pass
+            anon, file = _rss_split()
+            workers.update(peak=max(workers["peak"], total), anon=max(workers["anon"], anon),
+                           file=max(workers["file"], file))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    cpu = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    wall = time.monotonic()
+    timings = stage.run(Path(args.toy), work, args.size, args)
+    wall = time.monotonic() - wall
+    cpu = [(after.ru_utime + after.ru_stime) - (b.ru_utime + b.ru_stime)
+           for b, after in zip(cpu, (resource.getrusage(resource.RUSAGE_SELF),
+                                     resource.getrusage(resource.RUSAGE_CHILDREN)))]
+    stop.set()
+    sampler.join()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"stage": args.child, "rows": args.size, "rss_before": before, "rss_peak": peak,
+                                  "anon_growth": workers["anon"] - anon_before,
+                                  "file_growth": workers["file"] - file_before, "workers_peak": workers["peak"],
+                                  "cpu_s": cpu[0], "workers_cpu_s": cpu[1], "wall_s": wall,
+                                  "load": os.getloadavg()[0], **timings}), flush=True)
+
+
+def _rss_split() -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes of this process, from /proc/self/status."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("RssAnon:", "RssFile:")):
+            name, value = line.split(":")
+            fields[name] = int(value.split()[0]) * 1024
+    return fields.get("RssAnon", 0), fields.get("RssFile", 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stub that stands in for vLLM (01b): answers every chat request at once with token ids; /stats says when the
+# first and the last request came
+
+
+def stub_server(port_file: str) -> None:
+    from aiohttp import web
+
+    stats = {"first": None, "last": None, "count": 0}
+    body = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "stub",
+                       "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [5, 6, 7, 8],
+                                    "message": {"role": "assistant", "content": "4", "reasoning": "let me think"}}],
+                       "prompt_token_ids": [1, 2, 3],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
+
+    async def chat(request):
+        await request.read()
+        now = time.time()
+        if stats["first"] is None:
+            stats["first"] = now
+        stats["last"] = now
+        stats["count"] += 1
+        return web.Response(text=body, content_type="application/json")
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def get_stats(request):
+        return web.json_response(stats)
+
+    async def reset(request):
+        stats.update(first=None, last=None, count=0)
+        return web.json_response(stats)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", models)
+    app.router.add_get("/stats", get_stats)
+    app.router.add_post("/reset", reset)
+
+    async def main():
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        Path(port_file).write_text(str(port))
+        while True:
+            await asyncio.sleep(3600)
+
+    import asyncio
+
+    asyncio.run(main())
+
+
+def measure_row_reads(folder: Path) -> dict:
+    """Seconds to read one row by its index (RowIndex.row: a pread and a json.loads of its line), for rows of 10^3
+    and 10^4 tokens: what a stage pays per row when it reads rows on demand instead of holding them."""
+    import random
+
+    sys.path.insert(0, str(REPO))
+    from eagle3pipe.records import IndexedJsonlWriter, open_row_index
+
+    out = {}
+    rng = random.Random(0)
+    for tokens in (1000, 10000):
+        path = folder / f"rows_{tokens}.jsonl"
+        with IndexedJsonlWriter(path, "rows", new=True) as w:
+            for i in range(200):
+                w.write({"id": f"{i:016x}", "input_ids": [rng.randrange(163840) for _ in range(tokens)],
+                         "loss_mask": [0] * (tokens // 4) + [1] * (tokens - tokens // 4), "source": "bench"})
+            w.commit()
+        index = open_row_index(path, "rows")
+        start = time.perf_counter()
+        for _ in range(3):
+            for i in range(len(index)):
+                index.row(i)
+        out[tokens] = (time.perf_counter() - start) / (3 * len(index))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent
+
+
+def fmt_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(b) < 1024 or unit == "TB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    ap.add_argument("--work", default="/tmp/bench_scale", help="inputs and outputs (kept between runs: inputs are "
+                                                               "made once per size)")
+    ap.add_argument("--repo", default=str(REPO), help="checkout whose eagle3pipe is measured (inputs: this one's)")
+    ap.add_argument("--num-proc", type=int, default=0, help="stage 01's prepare.num_proc (0: its default)")
+    ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
+    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--stub", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--toy", help=argparse.SUPPRESS)
+    ap.add_argument("--stub-url", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stub:
+        return stub_server(args.stub)
+    if args.child:
+        return child(args)
+
+    sys.path.insert(0, str(REPO))
+    from eagle3pipe.toy import build_toy_verifier
+
+    work = Path(args.work)
+    toy = work / "toy_llama"
+    if not (toy / "toy_verifier.json").exists():
+        build_toy_verifier(toy, "llama", seed=0, dtype="bfloat16")
+    stub = None
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if "01b" in args.stages:
+        port_file = work / "stub.port"
+        port_file.unlink(missing_ok=True)
+        stub = subprocess.Popen([sys.executable, __file__, "--stub", str(port_file)], env=env)
+        while not port_file.exists():
+            time.sleep(0.1)
+        args.stub_url = f"http://127.0.0.1:{port_file.read_text()}"
+    results = []
+    try:
+        for n in args.sizes:
+            for name in args.stages:
+                stage = STAGES[name]
+                folder = work / f"{name}_{n}"
+                template = folder / "template"
+                if not (folder / "template.done").exists():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    stage.make(template, n)
+                    (folder / "template.done").write_text("")
+                run_dir = folder / "run"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                if stage.inputs == "run":
+                    shutil.copytree(template, run_dir)
+                else:
+                    if not (folder / "input").is_symlink():
+                        (folder / "input").symlink_to(template)
+                argv = [sys.executable, __file__, "--child", name, "--size", str(n), "--work", str(folder),
+                        "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc)]
+                if args.stub_url:
+                    argv += ["--stub-url", args.stub_url]
+                out = subprocess.run(argv, env=env, capture_output=True, text=True)
+                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if out.returncode or line is None:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"stage {name} at {n} rows failed (exit {out.returncode})")
+                r = json.loads(line[len("RESULT "):])
+                r["growth"] = max(0, r["rss_peak"] - r["rss_before"])
+                r["bytes_per_row"] = r["growth"] / n
+                r["first_s_per_1e6_rows"] = r["first_s"] / n * 1e6
+                r["steady_s_per_1e5"] = r["steady_s"] / max(1, r["steady_units"]) * 1e5
+                results.append(r)
+                print(f"{name:>4} {n:>9} rows: RSS {fmt_bytes(r['rss_before'])} -> peak {fmt_bytes(r['rss_peak'])} "
+                      f"(+{fmt_bytes(r['growth'])}; sampled peaks: anonymous +{fmt_bytes(r['anon_growth'])}, "
+                      f"file-backed +{fmt_bytes(r['file_growth'])}; workers {fmt_bytes(r['workers_peak'])}); first "
+                      f"{stage.unit[:-1]} after {r['first_s']:.2f} s; steady {r['steady_s_per_1e5']:.1f} s per 1e5 "
+                      f"{stage.unit}; wall {r['wall_s']:.1f} s, CPU {r.get('cpu_s', 0):.1f} s (+ workers "
+                      f"{r.get('workers_cpu_s', 0):.1f} s); load {r['load']:.1f}", flush=True)
+                shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        if stub is not None:
+            stub.terminate()
+            stub.wait()
+    print(f"\nper row, between the two largest sizes (constants cancel); projected to rows of "
+          f"{args.tokens_per_row:.0f} tokens from the largest size:")
+    slopes = {}
+    for name in args.stages:
+        runs = sorted((x for x in results if x["stage"] == name), key=lambda x: x["rows"])
+        big = runs[-1]
+        small = runs[-2] if len(runs) > 1 else {"rows": 0, "growth": 0, "first_s": 0.0}
+        per_row = (big["growth"] - small["growth"]) / (big["rows"] - small["rows"])
+        first_per_row = (big["first_s"] - small["first_s"]) / (big["rows"] - small["rows"])
+        slopes[name] = {"bytes_per_row": per_row, "first_s_per_1e6_rows": first_per_row * 1e6,
+                        "from_rows": small["rows"], "to_rows": big["rows"]}
+        print(f"  {name:>4}: {per_row:.1f} B/row of RSS growth, first unit +{first_per_row * 1e6:.2f} s per 1e6 rows "
+              f"({small['rows']} -> {big['rows']} rows)")
+        for tokens in (1e9, 6e9):
+            rows = tokens / args.tokens_per_row
+            ram = big["growth"] + per_row * (rows - big["rows"])
+            first = big["first_s"] + first_per_row * (rows - big["rows"])
+            print(f"        at {tokens:.0e} tokens ({rows:,.0f} rows): RAM growth {fmt_bytes(ram)}, first unit after "
+                  f"{first:.1f} s")
+    reads = measure_row_reads(work)
+    print("one row read by its index (RowIndex.row: pread + json.loads + checks): " +
+          ", ".join(f"{reads[t] * 1e6:.0f} us at {t} tokens" for t in sorted(reads)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "results": results, "slopes": slopes,
+                                               "row_read_s": reads}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
