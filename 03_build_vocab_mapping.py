@@ -5,11 +5,13 @@ Usage:
     python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml
     python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
     python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml --finetune-from DIR --rebuild
+    python 03_build_vocab_mapping.py --config configs/kimi_k25_dflash.yaml    # + the DFlash mask token ([UNK])
 
 Reads:  <data_dir>/synthetic/data.jsonl or prepared/data.jsonl (extract.input says which; loss_mask == 1 counted);
-        with --finetune-from (or train.finetune_from in the YAML) the checkpoint's d2t/t2d, kept unless --rebuild.
+        with --finetune-from (or train.finetune_from in the YAML) the checkpoint's d2t/t2d, kept unless --rebuild;
+        with --draft dflash the verifier's tokenizer (the mask token --mask-token, by name).
 Writes: <data_dir>/vocab/{mapping.safetensors (d2t, t2d), token_counts.safetensors, summary.json (source,
-        coverage), provenance.json}, logs/03_vocab.log.
+        coverage; DFlash: mask_token, mask_token_id), provenance.json}, logs/03_vocab.log.
 All logic lives in eagle3pipe/vocab.py.
 """
 

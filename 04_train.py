@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Stage 04: train the EAGLE-3 draft with speculators (one GPU, several under torchrun, or the CPU for the toy) and
-export it for vLLM.
+"""Stage 04: train the EAGLE-3 draft (or, with --draft dflash, a DFlash draft) with speculators (one GPU, several
+under torchrun, or the CPU for the toy) and export it for vLLM.
 
 Usage:
     python 04_train.py --config configs/kimi_k25.yaml
@@ -11,6 +11,7 @@ Usage:
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
     python 04_train.py --config configs/kimi_k25.yaml --export-from step_2000   # serve a checkpoint mid-run (05)
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU
+    python 04_train.py --config configs/kimi_k25_dflash.yaml [--finetune-from /models/Kimi-K2.5-DFlash]  # DFlash
     python 04_train.py --config configs/kimi_k25.yaml --data-source online --eval-fraction 0 --spool-gb 64 \\
         --extract-url http://node1:8000                                 # states from vLLM as training goes
 
@@ -24,7 +25,8 @@ Writes: <data_dir>/checkpoints/{step_N/ (every --checkpoint-every steps and at t
         LlamaForCausalLMEagle3 for vLLM/SGLang, or speculators format; --export best: the best evaluation's step),
         provenance.json}, logs/04_train.log (rank N under torchrun: logs/04_train.rankN.log; rank 0 alone writes
         everything else); --export-from step_N: checkpoints/export_step_N/ (or --export-to) and logs/04_export.log.
-All logic lives in eagle3pipe/train.py (model and checkpoint formats in eagle3pipe/draft.py).
+All logic lives in eagle3pipe/train.py (model and checkpoint formats in eagle3pipe/draft.py; DFlash:
+eagle3pipe/train_drafts.py, eagle3pipe/draft_dflash.py).
 """
 
 import sys

@@ -12,6 +12,10 @@ the real stages through ``run_all.sh`` and reports vLLM's acceptance length at k
   a fresh draft keeps the verifier's rows, a warm start its checkpoint's);
 - (f) ``warm_rebuild``, ``warm_rebuild_lmh``: (c) on a vocabulary map rebuilt from (b)'s data (``vocab.rebuild``:
   tokens new to the map get the verifier's lm_head rows), lm_head frozen / trained;
+- (g) ``dflash``, ``dflash_b4``: a DFlash draft (issue 31: ``train.draft dflash``, 2 Qwen3 layers, the verifier's
+  heads x 32 for queries, keys and values, its MLP width, mask token ``[PAD]``) on (b)'s rows and hidden states
+  (the same layers), block 8 (vLLM's k = 7) and block 4 (k = 3, EAGLE-3's), each served at its own k, with
+  speculators' anchor density (a block per 16 row tokens); ``dflash_a4``: block 8 with a block per 4 row tokens;
 
 each for every ``--seeds`` value (``shared.seed``: sampling and training order). (c)-(f) link (b)'s
 prepared/synthetic (and, except (d), hidden_states/) folders instead of regenerating them. Results go to
@@ -21,6 +25,7 @@ Usage::
 
     python bench/bench_quality.py --verifier data/bench/verifier --work data/bench/quality \\
         --num-samples 1000 --num-prompts 64 --max-steps 300 --seeds 0 1 --arms human regen warm fp8
+    python bench/bench_quality.py ... --arms regen dflash dflash_b4        # DFlash beside EAGLE-3, same rows
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from eagle3pipe.server import VllmServer  # noqa: E402
 from eagle3pipe.toy_reasoning import write_chat_datasets  # noqa: E402
 
 log = logging.getLogger("bench_quality")
-ARMS = ("human", "regen", "warm", "fp8", "regen_lmh", "warm_lmh", "warm_rebuild", "warm_rebuild_lmh")
+ARMS = ("human", "regen", "warm", "fp8", "regen_lmh", "warm_lmh", "warm_rebuild", "warm_rebuild_lmh", "dflash",
+        "dflash_b4", "dflash_a4")
+DFLASH_BLOCK = {"dflash": 8, "dflash_b4": 4, "dflash_a4": 8}
 
 
 def arm_config(args, work: Path, arm: str, seed: int) -> Path:
@@ -61,6 +68,11 @@ def arm_config(args, work: Path, arm: str, seed: int) -> Path:
     cfg["train"].update(epochs=args.epochs, max_steps=args.max_steps, device=args.device,
                         learning_rate=args.learning_rate, total_seq_len=args.total_seq_len,
                         train_lm_head=arm.endswith("_lmh"))
+    if arm in DFLASH_BLOCK:  # a small DFlash draft for the toy (K2.5's: configs/kimi_k25_dflash.yaml)
+        cfg["train"].update(draft="dflash", dflash_block_size=DFLASH_BLOCK[arm], dflash_num_layers=2,
+                            draft_num_heads=0, draft_head_dim=32, dflash_num_kv_heads=0, draft_intermediate_size=0,
+                            dflash_max_anchors=args.total_seq_len // 4 if arm == "dflash_a4" else 0)
+        cfg.setdefault("vocab", {})["mask_token"] = "[PAD]"  # the toy tokenizer's special never in the rows
     if arm.startswith("warm"):
         cfg["train"]["finetune_from"] = str(DataDir(work / f"human_s{seed}").final_checkpoint)
         cfg.setdefault("vocab", {})["rebuild"] = arm.startswith("warm_rebuild")
@@ -96,7 +108,7 @@ def run_arm(args, work: Path, arm: str, seed: int) -> dict:
                         log_file=work / f"vllm_generate_s{seed}.log") as srv:
             run_all(config, "--vllm-url", srv.url, "--to", "04_train")
         run_all(config, "--only", "05_evaluate")
-    elif arm.startswith("warm") or arm == "regen_lmh":
+    elif arm.startswith("warm") or arm == "regen_lmh" or arm in DFLASH_BLOCK:
         link_from(regen, dd, ["prepared", "synthetic", "hidden_states"])
         run_all(config, "--vllm-url", "http://127.0.0.1:9", "--from", "03_vocab")  # URL only selects the plan
     elif arm == "fp8":
@@ -104,7 +116,8 @@ def run_arm(args, work: Path, arm: str, seed: int) -> dict:
         run_all(config, "--vllm-url", "http://127.0.0.1:9", "--from", "02_extract")
     report = load_eval_report(dd)
     wd = report["with_draft"]
-    return {"arm": arm, "seed": seed, "acceptance_length": wd["acceptance_length"],
+    return {"arm": arm, "seed": seed, "k": report["num_speculative_tokens"],
+            "acceptance_length": wd["acceptance_length"],
             "per_position_acceptance": wd["per_position_acceptance"], "drafts": wd["drafts"],
             "tokens_per_s": wd["tokens_per_s"]}
 
@@ -136,11 +149,11 @@ def main() -> None:
                 continue
             results.append(run_arm(args, work, arm, seed))
             results_path.write_text(json.dumps(results, indent=2) + "\n")
-    print("| arm | seed | acceptance length (k=3) | per position | drafts |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| arm | seed | k | acceptance length | per position | drafts |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         pos = ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
-        print(f"| {r['arm']} | {r['seed']} | {r['acceptance_length']:.3f} | {pos} | {r['drafts']} |")
+        print(f"| {r['arm']} | {r['seed']} | {r.get('k', 3)} | {r['acceptance_length']:.3f} | {pos} | {r['drafts']} |")
 
 
 if __name__ == "__main__":

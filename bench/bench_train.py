@@ -13,9 +13,19 @@ one plain process or torchrun (DDP).
    compile and worker start-up are excluded. With --drop-cache (device only) the page cache is dropped before each
    e2e run.
 
+3. ``--draft dflash`` (issue 31): the same for speculators' ``DFlashDraftModel`` at z-lab's K2.5 draft dims (6 Qwen3
+   layers of 64 heads x 128, 8 KV heads, MLP 18432, block 8, reading 6 verifier states:
+   configs/kimi_k25_dflash.yaml), ``--anchor-every`` 16 (total_seq_len / 16 blocks a row: train.dflash_max_anchors
+   0), speculators' DFlash loss (ce, D-PACE), flex attention (its forward is torch.compile'd on CUDA). Besides row
+   tokens/s it reports the supervised block slots a second (anchors x (block - 1)), which do not grow with the row
+   length. ``--bare-tokens 8192 16384 32768`` is the row-length sweep (each length at its own anchors).
+
 Usage (device): python bench/bench_train.py --work /tmp/bench --out $OUT
                 python bench/bench_train.py --work /tmp/bench --out $OUT --skip bare --storage fp8 --nproc 0 1
+                python bench/bench_train.py --draft dflash --work /tmp/bench --out $OUT --skip e2e \
+                    --bare-tokens 8192 16384 32768 [--anchor-every 4]
        (CPU smoke, and 1 vs 2 gloo processes on the toy): python bench/bench_train.py --tiny --nproc 0 2
+                                                          python bench/bench_train.py --tiny --draft dflash
 """
 
 from __future__ import annotations
@@ -55,8 +65,12 @@ from eagle3pipe.records import (  # noqa: E402
 log = logging.getLogger("bench_train")
 REPO = Path(__file__).resolve().parents[1]
 
-K25 = dict(hidden=7168, inter=18432, heads=64, head_dim=128, draft_vocab=32000, vocab=163840, layers=61)
-TINY = dict(hidden=128, inter=256, heads=4, head_dim=64, draft_vocab=256, vocab=1088, layers=8)
+K25 = dict(hidden=7168, inter=18432, heads=64, head_dim=128, draft_vocab=32000, vocab=163840, layers=61,
+           dflash_layers=6, kv_heads=8, block=8)
+TINY = dict(hidden=128, inter=256, heads=4, head_dim=64, draft_vocab=256, vocab=1088, layers=8,
+            dflash_layers=2, kv_heads=2, block=8)
+AUX = {("eagle3", False): [2, 30, 58], ("eagle3", True): [2, 4, 5],
+       ("dflash", False): [2, 13, 25, 36, 48, 59], ("dflash", True): [1, 2, 4, 5, 6]}  # (draft, tiny): states read
 
 
 def write_verifier(folder: Path, dims: dict) -> Path:
@@ -92,7 +106,7 @@ def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, len
     for i in range(num_samples):
         t = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
         ids = torch.randint(0, dims["vocab"], (t,), generator=g)
-        states = torch.randn(t, 4, dims["hidden"], device=device, dtype=torch.bfloat16)
+        states = torch.randn(t, len(aux) + 1, dims["hidden"], device=device, dtype=torch.bfloat16)
         save_hidden_states(dd.hs_file(i), states, ids, storage,
                            metadata=hs_file_metadata(hs_layer_ids(aux, dims["layers"]), dims["layers"]))
         rows.append((ids.tolist(), [0] * 16 + [1] * (t - 16)))
@@ -111,7 +125,8 @@ def write_data(data_dir: Path, verifier: Path, dims: dict, num_samples: int, len
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[sel] = True
     save_vocab(dd, sel - torch.arange(n), t2d, torch.zeros(v, dtype=torch.int64),
-               VocabSummary(source="data", draft_vocab_size=n, vocab_size=v, supervised_tokens=0, coverage=0.0))
+               VocabSummary(source="data", draft_vocab_size=n, vocab_size=v, supervised_tokens=0, coverage=0.0,
+                            mask_token="[UNK]", mask_token_id=v - 2))  # K2.5's [UNK] = 163838 (for --draft dflash)
     return tokens
 
 
@@ -168,6 +183,65 @@ def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: in
             "peak_reserved_gib": reserved, "trainable_params": sum(p.numel() for p in params)}
 
 
+def bare_step_dflash(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: int, warmup: int,
+                     device: torch.device, anchors: int = 0) -> dict:
+    """speculators' DFlash training step with data already on the device: its model (built as 04 builds it), its
+    loss (ce + D-PACE slot weights, eager), ``anchors`` blocks a row (0 = tokens / 16, as train.dflash_max_anchors)."""
+    from eagle3pipe import draft_dflash
+
+    anchors = draft_dflash.max_anchors(tokens, anchors)
+    layer = draft_dflash.layer_config(verifier, num_layers=dims["dflash_layers"], num_heads=dims["heads"],
+                                      head_dim=dims["head_dim"], num_kv_heads=dims["kv_heads"],
+                                      intermediate_size=dims["inter"])
+    n, v, h = dims["draft_vocab"], dims["vocab"], dims["hidden"]
+    sel = torch.arange(0, v, v // n)[:n]
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[sel] = True
+    attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    model = draft_dflash.build_model(layer, verifier=verifier, layer_ids=aux, d2t=sel - torch.arange(n), t2d=t2d,
+                                     block_size=dims["block"], mask_token_id=v - 2, attn_impl=attn).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    kw = draft_dflash.trainer_kwargs(loss="ce", position_weight="dpace", gamma=4.0, anchors=anchors)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    docs = torch.repeat_interleave(torch.arange(4), tokens // 4)[None].to(device)  # 4 packed documents
+    batch = {"hidden_states": torch.randn(1, tokens, len(aux) * h, device=device, dtype=dt),
+             "input_ids": torch.randint(0, v, (1, tokens), device=device), "document_ids": docs,
+             "loss_mask": torch.ones(1, tokens, device=device, dtype=torch.long),
+             "position_ids": (torch.arange(tokens, device=device) % (tokens // 4))[None],  # restart per document
+             "verifier_last_hidden_states": torch.randn(1, tokens, h, device=device, dtype=dt)}
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def one():
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=device)))  # anchors vary per step
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            _, loss, _ = model(**batch, **kw)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one()
+    sync()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    sync()
+    s = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
+    del model, opt, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_ms": 1000 * s, "tokens_per_s": tokens / s, "anchors": anchors,
+            "block_tokens_per_s": anchors * (dims["block"] - 1) / s, "warmup_s": warm_s, "peak_gib": peak,
+            "peak_reserved_gib": reserved, "trainable_params": sum(p.numel() for p in params)}
+
+
 def drop_page_cache() -> bool:
     try:
         os.sync()
@@ -184,7 +258,7 @@ def samples_needed(tokens: int, steps: int, lengths: tuple[int, int], fill: floa
 
 def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int, workers: int, device: str,
         skip_steps: int, drop_cache: bool, log_every: int, nproc: int = 0, storage: str = "bf16",
-        overrides: dict | None = None, tag: str = "") -> dict:
+        overrides: dict | None = None, tag: str = "", draft_kind: str = "eagle3", anchor_every: int = 16) -> dict:
     """``04_train.py`` through its door on ``data_dir``: one plain process (``nproc`` 0) or torchrun with ``nproc``
     processes (DDP, one GPU each). Rates come from checkpoints/metrics.jsonl after ``skip_steps``. ``overrides``:
     config sections merged over these ({"train": {"data_source": "online"}, ...}); ``tag`` names its log/config."""
@@ -198,6 +272,10 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
                   "cpu_threads": 1 if device == "cpu" else 0},
         "extract": {"storage_dtype": storage, "model_dtype": "bfloat16"},  # as write_data's manifest says
     }
+    if draft_kind == "dflash":
+        values["train"].update(draft="dflash", dflash_num_layers=dims["dflash_layers"],
+                               dflash_num_kv_heads=dims["kv_heads"], dflash_block_size=dims["block"],
+                               dflash_max_anchors=max(1, tokens // anchor_every))
     for section, keys in (overrides or {}).items():
         values[section].update(keys)
     cfg = load_config(None, values)
@@ -239,6 +317,10 @@ def e2e(data_dir: Path, verifier: Path, dims: dict, aux: list[int], tokens: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy dims on CPU (smoke test of this script)")
+    p.add_argument("--draft", choices=["eagle3", "dflash"], default="eagle3",
+                   help="the draft family (train.draft): EAGLE-3 at K2.5 draft dims or z-lab's K2.5 DFlash dims")
+    p.add_argument("--anchor-every", type=int, default=16,
+                   help="dflash: one block per this many row tokens (16: speculators' 512 per 8192; 4 won on the toy)")
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default="")
     p.add_argument("--tokens", type=int, default=32768, help="packed-row length (train.total_seq_len; K2.5: 32768)")
@@ -266,13 +348,14 @@ def main() -> None:
     device = "cpu" if args.tiny else "cuda"
     tokens = 256 if args.tiny else args.tokens
     lengths = (40, 90) if args.tiny else (1200, 3000)
-    aux = [2, 4, 5] if args.tiny else [2, 30, 58]
+    aux = AUX[(args.draft, args.tiny)]
     work = Path(args.work)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    results: dict = {"dims": dims, "tokens_per_row": tokens, "device": torch.cuda.get_device_name(0)
+    results: dict = {"draft": args.draft, "dims": dims, "aux_layer_ids": aux,
+                     "tokens_per_row": tokens, "device": torch.cuda.get_device_name(0)
                      if device == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:]}
 
     def dump() -> None:
@@ -282,15 +365,20 @@ def main() -> None:
     t0 = time.perf_counter()
     verifier = write_verifier(work / "verifier", dims)
     log.info("verifier shell written in %.1fs", time.perf_counter() - t0)
+    def bare(n: int, steps: int, warmup: int, lm_head: bool = False) -> dict:
+        if args.draft == "dflash":
+            return bare_step_dflash(verifier, dims, aux, n, steps, warmup, torch.device(device),
+                                    max(1, n // args.anchor_every))
+        return bare_step(verifier, dims, aux, n, steps, warmup, torch.device(device), lm_head)
+
     if args.skip != "bare":
-        results["bare"] = bare_step(verifier, dims, aux, tokens, 3 if args.tiny else args.bare_steps,
-                                    2 if args.tiny else 4, torch.device(device))
+        results["bare"] = bare(tokens, 3 if args.tiny else args.bare_steps, 2 if args.tiny else 4)
         log.info("bare: %s", results["bare"])
         dump()
     sweep = [(n, False) for n in args.bare_tokens] + [(n, True) for n in args.bare_tokens if args.bare_lm_head]
     for n, lm_head in sweep:  # train.total_seq_len sweep: one row of n tokens per step, OOM recorded, not fatal
         try:
-            row = bare_step(verifier, dims, aux, n, 3 if args.tiny else 5, 2, torch.device(device), lm_head)
+            row = bare(n, 3 if args.tiny else 5, 2, lm_head)
         except torch.OutOfMemoryError as e:
             row = {"oom": str(e).splitlines()[0]}
             torch.cuda.empty_cache()
@@ -317,7 +405,8 @@ def main() -> None:
                     key = f"e2e_{storage}" + (f"_nproc{nproc}" if nproc else "") + (f"_r{rep}" if rep else "")
                     results[key] = e2e(data, verifier, dims, aux, tokens, workers, device,
                                        skip_steps=args.skip_steps, drop_cache=args.drop_cache,
-                                       log_every=args.log_every, nproc=nproc, storage=storage)
+                                       log_every=args.log_every, nproc=nproc, storage=storage,
+                                       draft_kind=args.draft, anchor_every=args.anchor_every)
                     results[key]["data_tokens"] = n_tok
                     results[key]["data_samples"] = samples
                     log.info("%s: %s", key, results[key])

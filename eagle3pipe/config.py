@@ -107,7 +107,9 @@ class SharedConfig:
     tokenizer: str = ""  # tokenizer folder; empty = the verifier's folder
     think_token_id: int = 163606  # id of <think>; cross-checked against the tokenizer at start
     response_token_id: int = 163607  # id of </think> (start of the visible response); cross-checked likewise
-    aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k
+    aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k.
+    # What stage 02 captures (ascending); a draft reads these or the subset train.aux_layer_ids names (one extraction
+    # of the union serves an EAGLE-3 and a DFlash draft)
     hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
     vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
     draft_vocab_size: int = 32000  # size of the draft's own vocabulary (top tokens by supervised frequency)
@@ -187,13 +189,20 @@ class ExtractConfig:
 
 @dataclass
 class VocabConfig:
+    mask_token: str = "[UNK]"  # train.draft dflash: the name of the tokenizer's special token that fills a block's
+    # draft slots (K2.5: [UNK] = 163838, z-lab's); resolved by name, refused if absent, not special or in the rows
     rebuild: bool = False  # with train.finetune_from: rebuild the map from our data instead of keeping the checkpoint's
     finetune_from: str = ""  # warm-start draft folder whose d2t/t2d are kept (or replaced with rebuild); empty = train.finetune_from
 
 
 @dataclass
 class TrainConfig:
-    finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder
+    draft: str = "eagle3"  # "eagle3" (one layer, k drafts autoregressively) or "dflash" (a block of k + 1 in one
+    # forward; speculators' DFlashDraftModel, vLLM method dflash). README 04_train.py: when to pick which
+    draft_layer_ids: list[int] = field(default_factory=list)  # the states of shared.aux_layer_ids this draft reads
+    # (an ascending subset; empty = all of them); EAGLE-3 reads exactly 3
+    finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder (eagle3), or a z-lab or
+    # speculators DFlash draft folder (dflash)
     epochs: int = 3  # passes over the training split
     learning_rate: float = 1e-4  # peak AdamW learning rate
     total_seq_len: int = 32768  # tokens packed per training row (one optimizer step); >= shared.max_seq_len.
@@ -225,6 +234,14 @@ class TrainConfig:
     keep_checkpoints: int = 3  # step_N checkpoints kept (the newest ones; final/ is never pruned); 0 = keep all.
     # One K2.5 checkpoint is ~12.5 GB (fp32 weights and AdamW moments)
     min_free_gb: float = 1.0  # free space (GB) a checkpoint must leave on its disk; the save is refused before writing
+    dflash_block_size: int = 8  # dflash: tokens per block = the verified token + block - 1 drafted (vLLM's k)
+    dflash_num_layers: int = 6  # dflash: draft decoder layers (Qwen3 layers, all full attention, non-causal)
+    dflash_num_kv_heads: int = 8  # dflash: key/value heads of the draft layers (0 = as many as the heads)
+    dflash_max_anchors: int = 0  # dflash: blocks trained per packed row (0 = total_seq_len / 16: speculators' 512
+    # per 8192 tokens); each supervises block - 1 tokens
+    dflash_loss: str = "ce"  # dflash: speculators' loss name or JSON {name: weight} (its dflash default: ce)
+    dflash_position_weight: str = "dpace"  # dflash: per-slot loss weight, "dpace" (needs ce) or "fixed-exp-decay"
+    dflash_gamma: float = 4.0  # dflash: fixed-exp-decay's decay constant (slot i weighs exp(-(i - 1) / gamma))
     data_source: str = "offline"  # "offline" (hidden_states/ from stage 02) or "online" (states extracted as training
     # goes, by stage 02's vLLM servers: extract.server_args or --extract-url, into a spool of train.spool_gb)
     spool_gb: float = 8.0  # online: disk (GB, all ranks together) the states of the upcoming rows may take
@@ -247,7 +264,8 @@ class TrainConfig:
 class EvaluateConfig:
     draft: str = ""  # exported draft folder; empty = <data_dir>/checkpoints/final
     num_speculative_tokens: int = 3  # draft tokens proposed per verify step (k = vLLM's num_speculative_tokens;
-    # SGLang's "steps 3, topk 1, num_draft_tokens 4" is k = 3: its draft-token count includes the verified token)
+    # SGLang's "steps 3, topk 1, num_draft_tokens 4" is k = 3: its draft-token count includes the verified token).
+    # EAGLE-3 drafts only: a DFlash draft drafts its block size - 1
     num_prompts: int = 64  # prompts sent from every set, chosen by shared.seed (0 = all; a smaller set is an error)
     concurrency: list[int] = field(default_factory=lambda: [8])  # requests in flight; each level is one pass over
     # every set on every server (tokens/s and speedup per level; acceptance pools the levels)
@@ -257,7 +275,7 @@ class EvaluateConfig:
     benchmarks: list[str] = field(default_factory=list)  # named sets: mtbench, gsm8k, humaneval, math500 (from the
     # hub), NAME=FILE (a known set's schema in a local .jsonl/.parquet), or a JSONL chat file (eval_sets.py)
     baseline_draft: list[str] = field(default_factory=list)  # other draft folders measured beside the exported one,
-    # each on its own server with the same verifier and k (DIR, or NAME=DIR to name its report column)
+    # each on its own server with the same verifier, each at its own k (DIR, or NAME=DIR to name its report column)
     temperature: float = 0.0  # sampling temperature of evaluation requests (0 = greedy)
     request_timeout_s: float = 600.0  # per-request client timeout, seconds
     eval_url: str = ""  # a running vLLM server already serving verifier + draft (no /v1); empty = start one
@@ -329,6 +347,12 @@ class PipelineConfig:
     def tokenizer_path(self) -> str:
         return self.shared.tokenizer or self.shared.verifier
 
+    @property
+    def draft_layer_ids(self) -> list[int]:
+        """The verifier states the draft reads: train.draft_layer_ids, or all of shared.aux_layer_ids (what 02
+        stores)."""
+        return list(self.train.draft_layer_ids or self.shared.aux_layer_ids)
+
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
@@ -340,8 +364,8 @@ class PipelineConfig:
     def validate(self, stage: str) -> None:
         """Cheap checks that must pass before any server or GPU work starts."""
         s = self.shared
-        if len(s.aux_layer_ids) != 3 or sorted(s.aux_layer_ids) != s.aux_layer_ids:
-            raise ConfigError(f"shared.aux_layer_ids must be 3 ascending layer ids, got {s.aux_layer_ids}")
+        if not s.aux_layer_ids or sorted(set(s.aux_layer_ids)) != s.aux_layer_ids or min(s.aux_layer_ids) < 0:
+            raise ConfigError(f"shared.aux_layer_ids must be ascending distinct layer ids, got {s.aux_layer_ids}")
         if s.draft_vocab_size > s.vocab_size:
             raise ConfigError(f"shared.draft_vocab_size {s.draft_vocab_size} exceeds shared.vocab_size {s.vocab_size}")
         if stage == "prepare":
@@ -365,8 +389,11 @@ class PipelineConfig:
             if self.extract.num_workers < 0 or self.extract.writer_threads < 1 or self.extract.batch_tokens < 1:
                 raise ConfigError("extract.num_workers must be >= 0, extract.writer_threads and batch_tokens >= 1")
             self._validate_extract_backend()
+        if stage in ("vocab", "train") and self.train.draft not in ("eagle3", "dflash"):
+            raise ConfigError(f"train.draft must be 'eagle3' or 'dflash', got {self.train.draft!r}")
         if stage == "train":
             t = self.train
+            self._validate_draft()
             if t.export_format not in ("eagle3", "speculators"):
                 raise ConfigError(f"train.export_format must be 'eagle3' or 'speculators', got {t.export_format!r}")
             if t.attn_impl not in ("auto", "simple_flex_attention", "sdpa", "eager"):
@@ -417,6 +444,33 @@ class PipelineConfig:
             if ev.tensor_parallel_size < 0 or ev.server_start_timeout_s <= 0:
                 raise ConfigError("evaluate.tensor_parallel_size must be >= 0 and evaluate.server_start_timeout_s > 0")
 
+
+    def _validate_draft(self) -> None:
+        """train.draft's layer ids (a subset of what 02 stores) and the DFlash settings."""
+        s, t = self.shared, self.train
+        ids = self.draft_layer_ids
+        if sorted(set(ids)) != ids or not set(ids) <= set(s.aux_layer_ids):
+            raise ConfigError(f"train.draft_layer_ids {t.draft_layer_ids} must be ascending ids among "
+                              f"shared.aux_layer_ids {s.aux_layer_ids} (the states stage 02 stores)")
+        if t.draft == "eagle3" and len(ids) != 3:
+            raise ConfigError(f"an EAGLE-3 draft reads 3 verifier states, got {ids}: name 3 of shared.aux_layer_ids "
+                              f"{s.aux_layer_ids} with train.draft_layer_ids (--draft-layer-ids)")
+        if t.draft != "dflash":
+            return
+        if t.train_lm_head and s.draft_vocab_size == s.vocab_size:
+            raise ConfigError("train.train_lm_head with a full-vocabulary DFlash draft: speculators' export leaves its "
+                              "lm_head out (vLLM takes the verifier's), so training it would be lost")
+        if t.dflash_block_size < 2 or t.dflash_num_layers < 1 or t.dflash_num_kv_heads < 0 or t.dflash_max_anchors < 0:
+            raise ConfigError("train.dflash_block_size must be >= 2, dflash_num_layers >= 1, dflash_num_kv_heads and "
+                              "dflash_max_anchors >= 0")
+        if t.dflash_position_weight not in ("dpace", "fixed-exp-decay"):
+            raise ConfigError(f"train.dflash_position_weight must be 'dpace' or 'fixed-exp-decay', got "
+                              f"{t.dflash_position_weight!r}")
+        if t.dflash_position_weight == "dpace" and t.dflash_loss != "ce":
+            raise ConfigError(f"train.dflash_position_weight dpace weighs slots by their cross-entropy: it needs "
+                              f"train.dflash_loss ce, got {t.dflash_loss!r} (or use fixed-exp-decay)")
+        if t.dflash_gamma <= 0:
+            raise ConfigError(f"train.dflash_gamma must be > 0, got {t.dflash_gamma}")
 
     def _validate_train_monitoring(self) -> None:
         """The trackers, evaluations, export choice and recipe of stage 04 (cheap checks; the loss name is
@@ -600,7 +654,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
 # flags of another section's field a stage also takes (one setting, one flag name in every stage that reads it)
 BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [  # 04 online: its servers, retries and error share
     ("extract", "extract_url"), ("extract", "server_args"), ("extract", "max_retries"), ("extract", "retry_backoff_s"),
-    ("extract", "max_error_share")]}
+    ("extract", "max_error_share")],
+    "vocab": [("train", "draft")]}  # 03 resolves the DFlash mask token for --draft dflash
 
 
 def _flag(name: str) -> str:

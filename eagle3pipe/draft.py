@@ -299,7 +299,7 @@ def load_finetune_draft(folder: str | Path, *, verifier: str | Path, d2t: torch.
     return model, ckpt, info
 
 
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
+def replace_dir(tmp: Path, out_dir: Path) -> None:
     """Move a fully written ``tmp`` folder to ``out_dir``; an old ``out_dir`` is removed only after."""
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     if out_dir.exists():
@@ -412,7 +412,7 @@ def export_flat(model, out_dir: str | Path, aux_layer_ids: list[int], base_confi
     dtype_name = str(dtype).removeprefix("torch.")
     config = flat_config(model, aux_layer_ids, base_config, dtype_name)
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    _replace_dir(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return out_dir
 
 
@@ -424,5 +424,5 @@ def export_speculators(model, out_dir: str | Path, dtype: torch.dtype = torch.bf
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     copy.deepcopy(model).to("cpu", dtype).save_pretrained(str(tmp))
-    _replace_dir(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return out_dir

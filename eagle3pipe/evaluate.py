@@ -2,11 +2,12 @@
 position, and tokens/s with and without each draft by concurrency.
 
 Drafts side by side: the exported draft (``--draft``, default ``checkpoints/final``) and every
-``--baseline-draft DIR``, each on its own server with the same verifier and k
-(``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), then the verifier
-alone (unless ``--no-baseline``; or ``--baseline-url``). One server at a time: each serves the whole verifier.
-Each server gets every prompt set (``--prompts`` and ``evaluate.benchmarks``, ``eval_sets.py``) at every
-``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
+``--baseline-draft DIR``, each on its own server with the same verifier, each at its own k: an EAGLE-3 draft at
+``evaluate.num_speculative_tokens`` (``--speculative-config {"method": "eagle3", "model": DRAFT,
+"num_speculative_tokens": k}``), a DFlash draft (speculators' or z-lab's format) at its block size - 1
+(``"method": "dflash"``); then the verifier alone (unless ``--no-baseline``; or ``--baseline-url``). One server at
+a time: each serves the whole verifier. Each server gets every prompt set (``--prompts`` and
+``evaluate.benchmarks``, ``eval_sets.py``) at every ``evaluate.concurrency`` level, through the chat API (the server renders the chat template, thinking as
 ``shared.thinking``). Measures, per draft and set:
 
 - acceptance length = 1 + accepted / drafts: the mean number of tokens one verify step emits (the bonus token the
@@ -50,6 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .acceptance import per_request_delta, pooled_figures, spec_decode_delta
+from . import draft_dflash
 from .cli import StageError
 from .config import PipelineConfig
 from .draft import FLAT_ARCHITECTURES, flat_tensor_shapes
@@ -77,20 +79,28 @@ ANCHORS = [
     {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
      "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
      "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},
+    # issue 31: a DFlash draft (README 05_evaluate.py); shown only beside a draft measured at its own k
+    {"draft": "z-lab/Kimi-K2.5-DFlash", "target": "Kimi-K2.5", "k": 7,
+     "settings": "DFlash block 8 = k 7, thinking on, greedy, 2048 new tokens, concurrency 1, SGLang",
+     "acceptance_length": {"mtbench": 3.7, "gsm8k": 5.3, "humaneval": 5.3, "math500": 5.5}},
 ]
-ANCHOR_K = 3
+ANCHOR_K = 3  # the EAGLE-3 anchors' k; an entry with its own "k" is a DFlash draft's
 
 
-def anchor_figures(set_names: list[str], k: int) -> list[dict]:
+def anchor_figures(set_names: list[str], k: int, draft_ks: set[int] = frozenset()) -> list[dict]:
     """The anchors' published figures for the sets measured that they report (by known benchmark name), each with
-    its settings; a note when our k is not theirs (then the figures do not compare)."""
+    its settings; a note when our k (the exported draft's) is not theirs (then the figures do not compare). A
+    DFlash anchor (its own "k") is listed only when some draft (``draft_ks``, with ``k``) ran at its k."""
     out = []
     for anchor in ANCHORS:
+        theirs = anchor.get("k", ANCHOR_K)
+        if "k" in anchor and theirs not in {k, *draft_ks}:
+            continue
         figures = {name: anchor["acceptance_length"][name] for name in set_names if name in anchor["acceptance_length"]}
         if figures:
             out.append({**{key: anchor[key] for key in ("draft", "target", "settings")}, "acceptance_length": figures,
-                        "num_speculative_tokens": ANCHOR_K,
-                        "note": "" if k == ANCHOR_K else f"measured at k = {ANCHOR_K}, ours at k = {k}: not comparable"})
+                        "num_speculative_tokens": theirs,
+                        "note": "" if k == theirs else f"measured at k = {theirs}, ours at k = {k}: not comparable"})
     return out
 
 
@@ -130,6 +140,12 @@ def server_version(url: str) -> str:
 
 
 def speculative_config(draft_dir: Path, k: int) -> str:
+    """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k``, DFlash at its own k (the block
+    it was trained for, minus the verified token)."""
+    config = json.loads((draft_dir / "config.json").read_text())
+    if draft_dflash.is_dflash_config(config):
+        return json.dumps({"method": "dflash", "model": str(draft_dir),
+                           "num_speculative_tokens": draft_dflash.speculative_tokens(config)})
     return json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
 
 
@@ -174,8 +190,10 @@ def verifier_hidden_size(cfg: PipelineConfig) -> int:
 
 def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
     """Refuse, before any server starts, a draft folder vLLM would refuse or misuse: no config.json, not an EAGLE-3
-    draft (flat LlamaForCausalLMEagle3 or speculators' eagle3), no weights, a hidden size other than the
-    verifier's, or (flat layout) tensors missing or shaped against its own config. Reads headers only."""
+    draft (flat LlamaForCausalLMEagle3 or speculators' eagle3) nor a DFlash one (speculators' or z-lab's: no mask
+    token or layer ids, layers vLLM would run causal that were trained bidirectionally), no weights, a hidden size
+    other than the verifier's, or (flat layout) tensors missing or shaped against its own config. Reads headers
+    only."""
     from safetensors import safe_open
 
     config_path = folder / "config.json"
@@ -186,6 +204,17 @@ def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise StageError(f"{flag} {config_path}: not valid JSON ({e.msg})") from None
+    if draft_dflash.is_dflash_config(config):  # DFlash (speculators' or z-lab's format): what vLLM needs of it
+        problems = draft_dflash.check_served(config, folder)
+        layer = config.get("transformer_layer_config") or config
+        if layer.get("hidden_size") is not None and int(layer["hidden_size"]) != verifier_hidden_size(cfg):
+            problems.append(f"hidden_size {layer['hidden_size']}, the verifier's is {verifier_hidden_size(cfg)} "
+                            f"({Path(cfg.shared.verifier) / 'config.json'}): a draft for another target")
+        if not list(folder.glob("*.safetensors")):
+            problems.append("no *.safetensors weights")
+        if problems:
+            raise StageError(f"{flag} {folder}: a DFlash draft vLLM would refuse or misuse: {'; '.join(problems)}")
+        return
     speculators = config.get("speculators_model_type")
     arch = config.get("architectures") or []
     if speculators is not None and speculators != "eagle3":
@@ -399,11 +428,12 @@ def plot_acceptance(report: dict, path: Path) -> None:
         ax.bar(xs, values, width, label=draft)
         for x, v in zip(xs, values):
             ax.text(x, v + 0.02, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    k = report["num_speculative_tokens"]
+    ks = sorted(set((report.get("num_speculative_tokens_by_draft") or {}).values()) or
+                {report["num_speculative_tokens"]})
     ax.set_xticks(range(len(sets)), sets)
-    ax.set_ylim(1.0, k + 1.1)  # 1 (nothing accepted) to k + 1 (every draft token accepted)
+    ax.set_ylim(1.0, max(ks) + 1.1)  # 1 (nothing accepted) to k + 1 (every draft token accepted)
     ax.set_ylabel("acceptance length")
-    ax.set_title(f"1 + accepted / drafts, k = {k}")
+    ax.set_title(f"1 + accepted / drafts, k = {'/'.join(map(str, ks))}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -449,7 +479,8 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
     drafts_out, ks = [], {}
     for name, folder in columns:
         url = ev.eval_url if name == EXPORTED_DRAFT else ""
-        spec_args = ["--speculative-config", speculative_config(folder.resolve(), ev.num_speculative_tokens)]
+        spec_args = [] if url else ["--speculative-config", speculative_config(folder.resolve(),
+                                                                               ev.num_speculative_tokens)]
         if settings.get("per_request_metrics") and PER_REQUEST_FLAG not in ev.server_args:
             spec_args += [PER_REQUEST_FLAG, "summary"]
         with _server(url, cfg.shared.verifier, spec_args, dd.eval_server_log(_log_name(name)), served_name,
@@ -461,10 +492,14 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
                     for p in per_set["by_concurrency"].values()}
         drafts_out.append({"name": name, "folder": None if url else str(folder), "server": how,
                            "provenance": draft_provenance(None if url else folder)})
-    k_all = set().union(*ks.values())
-    if len(k_all) != 1:
-        raise StageError(f"the drafts' servers draft different k per step ({ks}): their figures do not compare")
-    (k,) = k_all
+    for name, k_set in ks.items():
+        if len(k_set) != 1:
+            raise StageError(f"draft {name!r}: its server drafted different k per step ({sorted(k_set)})")
+    by_draft = {name: next(iter(k_set)) for name, k_set in ks.items()}  # each draft at its own k (EAGLE-3, DFlash)
+    k = by_draft[EXPORTED_DRAFT]
+    if len(set(by_draft.values())) > 1:
+        log.info("drafts at their own k per step: %s (acceptance lengths compare as tokens per verify step)",
+                 ", ".join(f"{n} k={v}" for n, v in by_draft.items()))
     if k != ev.num_speculative_tokens:
         log.warning("the server at %s drafts k = %d tokens per step, evaluate.num_speculative_tokens says %d: the "
                     "report gives the server's k", ev.eval_url or "(started here)", k, ev.num_speculative_tokens)
@@ -492,8 +527,9 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
                      "vllm_version": versions[0] if len(versions) == 1 else versions,
                      "servers_started_here": sum(bool(h.get("started_here")) for h in servers),
                      "servers_given": sum(not h.get("started_here") for h in servers)},
-        "anchors": anchor_figures([st.name for st in sets], k),
+        "anchors": anchor_figures([st.name for st in sets], k, set(by_draft.values())),
         "num_speculative_tokens": k,
+        "num_speculative_tokens_by_draft": by_draft,
         "num_prompts": len(sets[0].prompts),
         "concurrency": ev.concurrency,
         "max_completion_tokens": ev.max_completion_tokens,

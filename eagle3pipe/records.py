@@ -1752,6 +1752,8 @@ class VocabSummary:
     checkpoint_coverage: float = -1.0  # coverage of the checkpoint's own map on our data (-1: no checkpoint)
     shared_with_checkpoint: int = -1  # draft ids shared by our map and the checkpoint's (-1: no checkpoint)
     rows_file: str = ""  # the data.jsonl counted
+    mask_token: str = ""  # DFlash (03 --draft dflash): the special token filling a block's draft slots, by name
+    mask_token_id: int = -1  # its id in the verifier's vocabulary (-1: not resolved, an EAGLE-3 vocab/)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict:
@@ -1960,7 +1962,10 @@ def list_train_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 # ---------------------------------------------------------------------------------------------------------------
 # Stage 05: evaluation report
 #
-#   eval/report.json   {format_version, config_hash, config, num_speculative_tokens, num_prompts, concurrency: [..],
+#   eval/report.json   {format_version, config_hash, config, num_speculative_tokens (the exported draft's k),
+#                      num_speculative_tokens_by_draft: {draft: k} (each draft at its own k: an EAGLE-3 draft at
+#                      evaluate.num_speculative_tokens, a DFlash draft at its block size - 1), num_prompts,
+#                      concurrency: [..],
 #                      benchmarks: [{name, source, size, prompt_ids}], drafts: [{name, folder, server: {command,
 #                      env, log, start_s} | {url}}], verifier_alone: {server} | null,
 #                      acceptance: {draft: {set: {acceptance_length, per_position_acceptance, drafts, draft_tokens,
@@ -1996,11 +2001,22 @@ def eval_markdown_table(report: dict) -> str:
         lines += ["| " + s + " | " + " | ".join(cell(c, s) for c in cols) + " |" for s in sets]
         return lines + [""]
 
+    ks = draft_ks(report)
+    if len(set(ks.values())) > 1:  # drafts at their own k (EAGLE-3 beside DFlash): the column says which
+        def label(c: str) -> str:
+            return f"{c} (k={ks[c]})" if c in ks else c
+
+        report = {**report, **{key: {label(c): v for c, v in report[key].items()}
+                               for key in ("acceptance", "tokens_per_s", "speedup")}}
+        drafts = [label(c) for c in drafts]
+        k_text = "each draft at its own k (draft tokens per step, in its column)"
+    else:
+        k_text = f"k = {report['num_speculative_tokens']} draft tokens per step"
     acc = report["acceptance"]
-    sources = sorted({p.get("acceptance_source", "") for col in drafts for per_set in report["runs"][col].values()
+    sources = sorted({p.get("acceptance_source", "") for col in ks for per_set in report["runs"][col].values()
                       for p in per_set["by_concurrency"].values()})
     lines = [
-        f"Verifier `{report.get('verifier', '')}`, k = {report['num_speculative_tokens']} draft tokens per step, "
+        f"Verifier `{report.get('verifier', '')}`, {k_text}, "
         f"{report.get('num_prompts', '?')} prompts per set, concurrency {', '.join(levels)}, temperature "
         f"{report.get('temperature', '?')}, thinking {report.get('thinking', '?')}. Drafts: "
         + ", ".join(f"`{d['name']}` = {d['folder'] or d['server'].get('url')}" for d in report["drafts"]) + ".",
@@ -2047,12 +2063,19 @@ def eval_markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def draft_ks(report: dict) -> dict[str, int]:
+    """Each draft column's k: ``num_speculative_tokens_by_draft``, or the one k of reports written before it."""
+    by_draft = report.get("num_speculative_tokens_by_draft") or {}
+    return {d["name"]: int(by_draft.get(d["name"], report["num_speculative_tokens"])) for d in report["drafts"]}
+
+
 def check_eval_report(report: dict, where: str = "eval report") -> None:
     for key in EVAL_REQUIRED_KEYS:
         if key not in report:
             raise FormatError(f"{where}: lacks key {key!r}")
-    k = report["num_speculative_tokens"]
+    ks = draft_ks(report)
     for draft, per_set in report["acceptance"].items():
+        k = ks.get(draft, report["num_speculative_tokens"])
         for name, figures in per_set.items():
             if len(figures.get("per_position_acceptance", [])) not in (0, k):
                 raise FormatError(f"{where}: {draft} / {name}: {len(figures['per_position_acceptance'])} per-position "

@@ -64,6 +64,7 @@ from .records import (
     write_jsonl_atomic,
     write_provenance,
 )
+from .train_drafts import draft_family
 from .train_metrics import (
     ACCEPTANCE_KEY,
     MetricsLog,
@@ -72,10 +73,7 @@ from .train_metrics import (
     best_evaluation,
     check_trackers,
     evaluate_sums,
-    metric_keys,
-    plot_curves,
     reduce_metrics,
-    summarize,
 )
 
 log = logging.getLogger(__name__)
@@ -219,14 +217,16 @@ def build_model(cfg: PipelineConfig, device: torch.device):
 
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
+    attn_impl = resolve_attn_impl(t.attn_impl, device)
+    if t.draft == "dflash":  # speculators' DFlashDraftModel, fresh or warm (train_drafts.py)
+        return draft_family(cfg, device).build_model(attn_impl)
     summary = load_vocab_summary(dd.vocab_summary)
     d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
-    attn_impl = resolve_attn_impl(t.attn_impl, device)
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
         layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
                                                 t.draft_intermediate_size, s.trust_remote_code)
-        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=s.aux_layer_ids, d2t=d2t,
+        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=cfg.draft_layer_ids, d2t=d2t,
                                         t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
         log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
                  layer_config.num_attention_heads, layer_config.head_dim, layer_config.intermediate_size,
@@ -241,7 +241,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
                          f"{t.finetune_from}: rerun 03_build_vocab_mapping.py")
     try:
         model, ckpt, info = draft.load_finetune_draft(t.finetune_from, verifier=s.verifier, d2t=d2t, t2d=t2d,
-                                                      aux_layer_ids=s.aux_layer_ids, ttt_steps=t.ttt_steps,
+                                                      aux_layer_ids=cfg.draft_layer_ids, ttt_steps=t.ttt_steps,
                                                       attn_impl=attn_impl)
     except draft.DraftFormatError as e:
         raise StageError(str(e)) from None
@@ -252,7 +252,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
         log.warning("%s names no aux layer ids: vLLM and SGLang then capture their default (2, L/2, L-3), for this "
                     "%d-layer verifier %s; taking those as the layers it was trained on", t.finetune_from, num_layers,
                     ckpt_ids)
-    _check_aux_ids(ckpt_ids, s.aux_layer_ids, t.finetune_from)
+    _check_aux_ids(ckpt_ids, cfg.draft_layer_ids, t.finetune_from)
     if summary.source == "checkpoint" and info["remapped"]:
         raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
     log.info("warm start from %s (vocab %s%s)", t.finetune_from, summary.source,
@@ -444,12 +444,14 @@ def train_dtype(device: torch.device) -> torch.dtype:
 
 def make_collate(dataset, cfg: PipelineConfig):
     """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
-    stays e4m3 until train_data.to_device on the device); the samples the read checks skipped listed in the batch
-    (train_data.ListingCollateFn)."""
-    from .train_data import ListingCollateFn, shift_batch_with_scales
+    stays e4m3 until train_data.to_device on the device), the draft's layers of those stored, shifted for EAGLE-3
+    (train_data.DraftStates); the samples the read checks skipped listed in the batch (train_data.ListingCollateFn)."""
+    from .train_data import DraftStates, ListingCollateFn
 
-    return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size, num_target_layers=3,
-                            dtype=dataset.hidden_states_dtype, preprocess=shift_batch_with_scales)
+    preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft == "eagle3")
+    return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size,
+                            num_target_layers=len(cfg.draft_layer_ids), dtype=dataset.hidden_states_dtype,
+                            preprocess=preprocess)
 
 
 def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
@@ -644,7 +646,8 @@ ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
 # run.json keys that fix the draft's tensors: --export-from of a checkpoint needs them equal to the config it is given
 DRAFT_SHAPE_KEYS = ("shared.verifier", "shared.aux_layer_ids", "shared.hidden_size", "shared.vocab_size",
                     "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads", "train.draft_head_dim",
-                    "train.draft_intermediate_size", "vocab (stage 03)", "train.ttt_steps")
+                    "train.draft_intermediate_size", "vocab (stage 03)", "train.ttt_steps", "train.draft",
+                    "train.draft_layer_ids", "train.dflash")
 
 
 def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
@@ -674,6 +677,7 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
         # the clipping and the noise; half a run on one recipe and half on another is no run of either
         "train.loss": t.loss, "train.weight_decay": t.weight_decay, "train.adam_betas": list(t.adam_betas),
         "train.max_grad_norm": t.max_grad_norm, "train.hidden_noise_std": t.hidden_noise_std,
+        **draft_family(cfg, torch.device("cpu")).identity(),  # the draft family (EAGLE-3, DFlash) and its settings
     }
 
 
@@ -887,8 +891,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       gradient_as_bucket_view=True, **no_sync)
 
-    call_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
-    keys = metric_keys(t.ttt_steps)
+    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export (train_drafts)
+    call_kwargs, keys = family.call_kwargs(loss_config), family.keys
     source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
     cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
     eval_every = t.eval_every_steps if val_ds is not None else 0
@@ -904,7 +908,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
              "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
              manifest.num_samples, manifest.storage_dtype, device)
     log.info("recipe: loss %s, AdamW weight decay %g, betas %s, gradient clipping %s, hidden-state noise %s; "
-             "held-out evaluation %s; export %s", t.loss, t.weight_decay, tuple(t.adam_betas),
+             "held-out evaluation %s; export %s", family.loss_name, t.weight_decay, tuple(t.adam_betas),
              f"{t.max_grad_norm:g}" if t.max_grad_norm else "off",
              f"uniform +-{t.hidden_noise_std:g}" if t.hidden_noise_std else "off",
              "none (train.eval_fraction 0)" if val_ds is None else
@@ -963,15 +967,16 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                 yield host, on_device
 
         ev_sums = evaluate_sums(model, held_out(device_batches(source.evaluation(epoch, step), device, dtype)),
-                                autocast, call_kwargs, keys, device)
-        ev = summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0], t.ttt_steps)
+                                autocast, call_kwargs, keys, device,  # this rank's i-th held-out row is row
+                                row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))  # rank + i x world
+        ev = family.summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0])
         skips.sync()
         if ranks.main:
             metrics_log.write({"kind": "eval", "step": step, "epoch": epoch,
                                "skipped_samples": skips.held_out[epoch], **ev})
             log.info("eval after step %d (epoch %d): %s", step, epoch + 1,
                      ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if not k.endswith("_tokens")))
-            plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps, t.loss)
+            family.plot(dd.train_metrics, dd.train_curves)
         return ev
 
     progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
@@ -1012,7 +1017,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     weight = world / present if real else 0.0
                     last = micro == accum - 1  # gradients are all-reduced once a step, after the last micro-step
                     with nullcontext() if last or net is model else net.no_sync():
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                        with family.row_rng(epoch, position), \
+                                torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                             _, loss, metrics = net(**gpu, **call_kwargs)
                         (loss * weight).backward()
                     if real:
@@ -1034,7 +1040,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                     skips.sync()
                 if logged:  # the means over every row since the last log line, pooled over ranks
                     totals, (tokens_all,) = reduce_metrics(window, keys, device, [tokens_seen], ranks.distributed)
-                    row = summarize(totals, t.ttt_steps)
+                    row = family.summarize(totals)
                     rate = tokens_all / max(time.monotonic() - t0, 1e-9)
                     if ranks.main:
                         metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
@@ -1043,9 +1049,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                                            "loader_wait_s": waited.get("loader_wait_s", 0.0),
                                            "skipped_samples": sum(skips.trained.values()),
                                            "rows": int(totals["loss_total"]), "window_steps": window_steps, **row})
-                        progress.set_fields(loss=f"{row['loss']:.3f}", **{
-                            f"acc@{i}": f"{row[f'acc_{i}']:.3f}" for i in range(1, t.ttt_steps + 1)},
-                            **{"tok/s": f"{rate:.0f}"})
+                        progress.set_fields(**family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
                     window, window_steps = None, 0
                 if evaluating:
                     ev = evaluate(epoch, state.step)
@@ -1159,11 +1163,8 @@ def choose_export(cfg: PipelineConfig, state: TrainingState) -> tuple[int, dict 
 
 
 def _write_draft(model, base_config, cfg: PipelineConfig, out: Path) -> Path:
-    from . import draft
-
-    if cfg.train.export_format == "speculators":
-        return draft.export_speculators(model, out)
-    return draft.export_flat(model, out, cfg.shared.aux_layer_ids, base_config)
+    """The draft in its family's export format (EAGLE-3: train.export_format; DFlash: speculators')."""
+    return draft_family(cfg, torch.device("cpu")).export(model, out, base_config)
 
 
 def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manifest, started: float, world: int,
@@ -1181,7 +1182,7 @@ def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manif
         log.info("train.export best: step %d (%s %.4f on the held-out rows), not the last step %d", step,
                  ACCEPTANCE_KEY, chosen[ACCEPTANCE_KEY], state.step)
     out = _write_draft(model, base_config, cfg, dd.final_checkpoint)
-    plot_curves(dd.train_metrics, dd.train_curves, t.ttt_steps, t.loss)
+    draft_family(cfg, torch.device("cpu")).plot(dd.train_metrics, dd.train_curves)
     write_provenance(dd.provenance(dd.checkpoints), stage="train",
                      config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
                      inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],

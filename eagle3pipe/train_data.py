@@ -144,6 +144,34 @@ def shift_batch_with_scales(sample: dict) -> dict:
     return out
 
 
+class DraftStates:
+    """The collate's per-sample preprocess: the columns of the states the draft reads (``train.draft_layer_ids``) out
+    of those a file stores (``shared.aux_layer_ids``: one extraction of the union serves an EAGLE-3 and a DFlash
+    draft), then EAGLE-3's one-token shift (``shift_batch``) or, for DFlash, none (its targets come from the state at
+    the slot before, inside the model). fp8 scales follow their states. A class, not a closure: the DataLoader's
+    spawned workers pickle it."""
+
+    def __init__(self, stored_ids: list[int], read_ids: list[int], shift: bool):
+        self.columns = [list(stored_ids).index(k) for k in read_ids]  # of the aux states; the final state stays last
+        self.num_stored, self.shift = len(stored_ids), shift
+
+    def __call__(self, sample: dict) -> dict:
+        states = sample["hidden_states"]  # [T, n_stored * H]
+        if self.num_stored != len(self.columns) and states.shape[0]:  # an empty sample is built at the read width
+            t = states.shape[0]
+            sample["hidden_states"] = states.view(t, self.num_stored, -1)[:, self.columns].flatten(1)
+            scales = sample.get(FP8_SCALES)
+            if scales is not None and scales.shape[-1] > 1:  # one scale per state: [T, n_stored + 1]
+                sample[FP8_SCALES] = scales[:, self.columns + [self.num_stored]]
+        if self.shift:
+            return shift_batch_with_scales(sample)
+        scales = sample.pop(FP8_SCALES, None)
+        out = dict(sample)
+        if scales is not None:  # unshifted: the draft's states and the verifier's last state share positions
+            out[FP8_SCALES_IN], out[FP8_SCALES_LAST] = scales, scales
+        return out
+
+
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """The batch's tensors on ``device``; fp8 states dequantised there to ``dtype`` (values * scales, per element as
     hs_connectors does it, for one scale per token or one per token and state)."""

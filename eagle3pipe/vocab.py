@@ -5,6 +5,10 @@ extracts: ``extract.input``), keeps the most frequent ``draft_vocab_size`` (ties
 ``build_vocab_mappings_from_distribution``), and writes vocab/ (see records.py). With a warm-start checkpoint
 (``vocab.finetune_from`` or ``train.finetune_from``) the default keeps the checkpoint's own map, because its lm_head
 rows belong to it; ``--rebuild`` writes ours instead and stage 04 then remaps the lm_head rows.
+
+For a DFlash draft (``--draft dflash``) it also resolves the mask token (``vocab.mask_token``, by name, from the
+verifier's own tokenizer: a special token, inside the verifier vocabulary, never seen in the rows) into summary.json;
+the map is always ours (a published DFlash draft predicts over the full vocabulary with the verifier's lm_head).
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ def rows_file(cfg: PipelineConfig) -> Path:
 COUNT_BATCH_TOKENS = 1 << 20  # supervised ids gathered before one bincount over the vocabulary
 
 
-def count_supervised_tokens(path: Path, vocab_size: int, every_s: float = 30.0) -> tuple[torch.Tensor, int]:
-    """(counts int64 [vocab_size], rows read): occurrences of each id at loss_mask == 1 positions.
+def count_supervised_tokens(path: Path, vocab_size: int, every_s: float = 30.0,
+                            watch: dict | None = None) -> tuple[torch.Tensor, int]:
+    """(counts int64 [vocab_size], rows read): occurrences of each id at loss_mask == 1 positions. ``watch``
+    ({"id": token id}) also gets "count" (its occurrences at any position) and "first_row" (the first row's id).
 
     Streams the rows (one in memory at a time; the row count comes from the file's row index, not a pass over it)
     and counts their supervised ids in batches: one bincount over the vocabulary per COUNT_BATCH_TOKENS ids, not
@@ -54,9 +60,15 @@ def count_supervised_tokens(path: Path, vocab_size: int, every_s: float = 30.0) 
     progress = Progress(len(open_row_index(path, "rows")), unit="rows", every_s=every_s, logger=log, desc="Counting")
     batch = np.empty(COUNT_BATCH_TOKENS, dtype=np.int64)  # supervised ids waiting for the next bincount
     filled = rows = 0
+    if watch is not None:
+        watch.update(count=0, first_row="")
     for i, d in enumerate(read_jsonl(path), 1):
         row = TrainingRow.from_json(d, where=f"{path}:{i}")
-        supervised = np.asarray(row.input_ids, dtype=np.int64)[np.asarray(row.loss_mask, dtype=bool)]  # [n_sup]
+        ids = np.asarray(row.input_ids, dtype=np.int64)
+        if watch is not None and (seen := int((ids == watch["id"]).sum())):
+            watch["count"] += seen
+            watch["first_row"] = watch["first_row"] or row.id
+        supervised = ids[np.asarray(row.loss_mask, dtype=bool)]  # [n_sup]
         if supervised.size and (int(supervised.max()) >= vocab_size or int(supervised.min()) < 0):
             raise FormatError(f"{path}:{i}: token id {int(supervised.max())} outside the verifier vocabulary "
                               f"[0, {vocab_size}) (check --vocab-size)")
@@ -96,6 +108,31 @@ def shared_tokens(d2t_a: torch.Tensor, d2t_b: torch.Tensor) -> int:
     return len(a & set((torch.arange(d2t_b.shape[0]) + d2t_b).tolist()))
 
 
+def resolve_mask_token(cfg: PipelineConfig) -> tuple[str, int]:
+    """(name, id) of ``vocab.mask_token`` in the verifier's own tokenizer: it must be a token of that name (a
+    tokenizer maps an unknown name to its unk id, so the name is looked up, not converted), a special token (plain
+    text never encodes to it), and inside the verifier's vocabulary."""
+    from .chat import load_tokenizer
+
+    name, where = cfg.vocab.mask_token, cfg.tokenizer_path
+    tokenizer = load_tokenizer(where, cfg.shared.trust_remote_code)
+    token_id = tokenizer.get_vocab().get(name)
+    if token_id is None:
+        named = {k: getattr(tokenizer, k) for k in ("mask_token", "unk_token", "pad_token") if getattr(tokenizer, k)}
+        specials = sorted(str(t) for t in tokenizer.added_tokens_decoder.values())
+        raise StageError(f"vocab.mask_token {name!r}: no token of that name in {where}'s tokenizer (its "
+                         f"{', '.join(f'{k} {v!r}' for k, v in named.items())}; {len(specials)} special tokens in "
+                         "all): name one that never occurs in text (--mask-token)")
+    if name not in tokenizer.all_special_tokens and token_id not in tokenizer.added_tokens_decoder:
+        raise StageError(f"vocab.mask_token {name!r} (id {token_id}) is a regular piece of text in {where}'s "
+                         "tokenizer, not a special token: rows would hold it where the draft reads a mask. Name a "
+                         "reserved special token (--mask-token)")
+    if not 0 <= token_id < cfg.shared.vocab_size:
+        raise StageError(f"vocab.mask_token {name!r} has id {token_id}, outside the verifier's vocabulary "
+                         f"[0, {cfg.shared.vocab_size}) (shared.vocab_size)")
+    return name, token_id
+
+
 def run_vocab(cfg: PipelineConfig) -> VocabSummary:
     """Count, choose the draft vocabulary (ours or the warm-start checkpoint's), write vocab/."""
     from .draft import DraftFormatError, read_flat_checkpoint
@@ -109,8 +146,12 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
                                 f"{cfg.extract.input!r})")
     if cfg.extract.input == "synthetic":
         check_synthetic_finished(dd)  # a partial 01b output is refused, naming 01b
-    checkpoint = cfg.vocab.finetune_from or cfg.train.finetune_from
-    config_hash = cfg.section_hash("shared", "vocab", "extract") + f":{checkpoint}"
+    dflash = cfg.train.draft == "dflash"
+    checkpoint = "" if dflash else cfg.vocab.finetune_from or cfg.train.finetune_from
+    if dflash and (cfg.vocab.finetune_from or cfg.train.finetune_from):
+        log.info("--draft dflash: the map is built from our data (a DFlash warm start's lm_head is the verifier's "
+                 "rows: stage 04 takes them, or remaps a speculators DFlash draft's own rows)")
+    config_hash = cfg.section_hash("shared", "vocab", "extract") + f":{checkpoint}" + (":dflash" if dflash else "")
     inputs = [str(path), checkpoint] if checkpoint else [str(path)]
     prov = read_provenance(dd.provenance(dd.vocab))
     stat = path.stat()
@@ -122,7 +163,15 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
 
         return load_vocab_summary(dd.vocab_summary)
 
-    counts, rows = count_supervised_tokens(path, s.vocab_size, s.progress_every_s)
+    mask = None
+    if dflash:
+        mask_name, mask_id = resolve_mask_token(cfg)
+        mask = {"id": mask_id}
+    counts, rows = count_supervised_tokens(path, s.vocab_size, s.progress_every_s, watch=mask)
+    if mask is not None and mask["count"]:
+        raise StageError(f"{path}: the DFlash mask token {mask_name!r} (id {mask_id}) occurs {mask['count']} times in "
+                         f"the rows (first in row {mask['first_row']!r}): the draft could not tell a mask slot from "
+                         "that text. Name another reserved special token (vocab.mask_token, --mask-token)")
     supervised = int(counts.sum())
     if supervised == 0:
         raise StageError(f"{path}: no supervised token (every loss_mask is 0)")
@@ -135,6 +184,9 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
     ours_d2t, ours_t2d = map_from_counts(counts, s.draft_vocab_size)
     summary = VocabSummary(source="data", draft_vocab_size=s.draft_vocab_size, vocab_size=s.vocab_size,
                            supervised_tokens=supervised, coverage=coverage(counts, ours_t2d), rows_file=str(path))
+    if mask is not None:
+        summary.mask_token, summary.mask_token_id = mask_name, mask_id
+        log.info("DFlash mask token %r = id %d (a special token, absent from the %d rows)", mask_name, mask_id, rows)
     d2t, t2d = ours_d2t, ours_t2d
     if checkpoint:
         try:

@@ -26,6 +26,35 @@ def test_kimi_k25_yaml_holds_the_issue_defaults():
     assert cfg.extract.backend == "vllm"  # the int4 release does not fit transformers on one node
 
 
+def test_kimi_k25_dflash_yaml_is_z_labs_k25_draft():
+    """Issue 31: z-lab's published K2.5 DFlash draft (its config: 6 Qwen3 layers, 64 x 128 heads, 8 KV, MLP 18432,
+    block 8, target_layer_ids [1, 12, 24, 35, 47, 58] in the "output of layer" convention, mask id 163838 = [UNK])."""
+    cfg = load_config(ROOT / "configs/kimi_k25_dflash.yaml")
+    t = cfg.train
+    assert t.draft == "dflash" and cfg.draft_layer_ids == [k + 1 for k in [1, 12, 24, 35, 47, 58]]
+    assert (t.dflash_num_layers, t.draft_num_heads, t.draft_head_dim, t.dflash_num_kv_heads,
+            t.draft_intermediate_size, t.dflash_block_size) == (6, 64, 128, 8, 18432, 8)
+    assert cfg.vocab.mask_token == "[UNK]" and (t.dflash_loss, t.dflash_position_weight) == ("ce", "dpace")
+
+
+@pytest.mark.parametrize("train, shared, fragment", [
+    ({"draft": "medusa"}, {}, "train.draft must be 'eagle3' or 'dflash'"),
+    ({}, {"aux_layer_ids": [2, 13, 30, 58]}, "an EAGLE-3 draft reads 3 verifier states"),
+    ({"draft_layer_ids": [2, 31, 58]}, {"aux_layer_ids": [2, 13, 30, 58]}, "must be ascending ids among"),
+    ({"draft": "dflash", "dflash_loss": "kl_div"}, {}, "dpace weighs slots by their cross-entropy"),
+    ({"draft": "dflash", "dflash_block_size": 1}, {}, "dflash_block_size must be >= 2"),
+    ({"draft": "dflash", "train_lm_head": True}, {"draft_vocab_size": 163840}, "lm_head out"),
+    ({}, {"aux_layer_ids": [30, 2]}, "ascending distinct layer ids"),
+])
+def test_draft_settings_are_checked_at_start(train, shared, fragment):
+    cfg = load_config(None, {"train": train, "shared": {"max_seq_len": 1024, **shared}})
+    with pytest.raises(ConfigError, match=fragment):
+        cfg.validate("train")
+    ok = load_config(None, {"train": {"draft_layer_ids": [2, 30, 58]},
+                            "shared": {"max_seq_len": 1024, "aux_layer_ids": [2, 13, 30, 58]}})
+    ok.validate("train")  # EAGLE-3 reading 3 of a union 02 captured
+
+
 def test_user_chat_template_kwargs_merge_with_thinking():
     from eagle3pipe.generate_requests import Generator
 
@@ -39,7 +68,7 @@ def test_user_chat_template_kwargs_merge_with_thinking():
         cfg.validate("generate")
 
 
-@pytest.mark.parametrize("name", ["kimi_k25.yaml", "demo.yaml"])
+@pytest.mark.parametrize("name", ["kimi_k25.yaml", "kimi_k25_dflash.yaml", "demo.yaml"])
 def test_shipped_configs_pass_the_start_checks_of_every_stage(name):
     cfg = load_config(ROOT / "configs" / name)
     cfg.evaluate.prompts = "p.jsonl"

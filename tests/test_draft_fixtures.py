@@ -134,20 +134,22 @@ def write_rows(data_dir: Path, rows: list[TrainingRow], which: str = "synthetic"
 
 
 def write_hidden_states(data_dir: Path, verifier: Path, rows: list[TrainingRow], storage_dtype: str = "bf16",
-                        seed: int = 0) -> None:
-    """Stage 02's output for ``rows`` (random states [T, 4, H]), through records.py's own writers."""
+                        seed: int = 0, aux_layer_ids: list[int] = TOY_AUX) -> None:
+    """Stage 02's output for ``rows`` (random states [T, len(aux_layer_ids) + 1, H]), through records.py's own
+    writers."""
     dd = DataDir(data_dir)
     g = torch.Generator().manual_seed(seed)
     tokens = 0
     for i, row in enumerate(rows):
         t = len(row.input_ids)
-        states = torch.randn(t, 4, TOY_HIDDEN, generator=g).to(torch.bfloat16)
+        states = torch.randn(t, len(aux_layer_ids) + 1, TOY_HIDDEN, generator=g).to(torch.bfloat16)
         save_hidden_states(dd.hs_file(i), states, torch.tensor(row.input_ids), storage_dtype,
-                           metadata=hs_file_metadata(hs_layer_ids(TOY_AUX, 8), 8))
+                           metadata=hs_file_metadata(hs_layer_ids(aux_layer_ids, 8), 8))
         tokens += t
     save_hs_rows(dd.hidden_states, [(r.input_ids, r.loss_mask) for r in rows])
     save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(
-        verifier=str(verifier), num_layers=8, aux_layer_ids=TOY_AUX, hidden_size=TOY_HIDDEN, model_dtype="bfloat16",
+        verifier=str(verifier), num_layers=8, aux_layer_ids=list(aux_layer_ids), hidden_size=TOY_HIDDEN,
+        model_dtype="bfloat16",
         storage_dtype=storage_dtype, num_samples=len(rows), num_tokens=tokens, num_dropped=0, bytes=0,
         input=str(dd.synthetic_data), config_hash="test"))
 
@@ -165,6 +167,20 @@ def toy_config(data_dir: Path, verifier: Path, **train):
                    "progress_every_s": 1000.0, "think_token_id": 1020, "response_token_id": 1021},
         "train": base,
     })
+
+
+# a tiny DFlash draft for the llama toys (4 heads x 32, 2 KV heads, 2 layers, block 4); "[PAD]" (1023) is the
+# fast-tokenizer toy's only special token never in the rows (it has no [UNK])
+DFLASH_TRAIN = {"draft": "dflash", "dflash_num_layers": 2, "dflash_num_kv_heads": 2, "draft_head_dim": 32,
+                "dflash_block_size": 4}
+TOY_MASK_TOKEN, TOY_MASK_ID = "[PAD]", 1023
+
+
+def dflash_config(data_dir: Path, verifier: Path, **train):
+    """toy_config for a DFlash draft (DFLASH_TRAIN under ``train``), its mask token named."""
+    cfg = toy_config(data_dir, verifier, **{**DFLASH_TRAIN, **train})
+    cfg.vocab.mask_token = TOY_MASK_TOKEN
+    return cfg
 
 
 @pytest.fixture

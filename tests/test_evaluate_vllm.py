@@ -72,6 +72,26 @@ def early_and_trained_drafts(tmp_path_factory, ci_server):
     return early_copy, trained
 
 
+@pytest.fixture(scope="module")
+def dflash_draft(tmp_path_factory, early_and_trained_drafts):
+    """A DFlash draft (issue 31) trained on the same rows and hidden states as the EAGLE-3 drafts (their data
+    dir's folders linked), 03 resolving its mask token, then 04: 2 layers, block 8 (vLLM's k = 7)."""
+    import os
+
+    from tests.test_draft_fixtures import DFLASH_TRAIN, TOY_MASK_TOKEN
+
+    _, trained = early_and_trained_drafts
+    work = DataDir(trained.parent.parent)
+    dflash = tmp_path_factory.mktemp("dflash")
+    for name in ("prepared", "synthetic", "hidden_states"):
+        os.symlink(work.root / name, dflash / name)
+    train = {**DFLASH_TRAIN, "dflash_block_size": 8, "dflash_max_anchors": 256, "epochs": 8, "learning_rate": 0.003,
+             "eval_fraction": 0.0}  # a block per 4 row tokens: the denser anchors the quality bench favours
+    cfg = _ci_config(dflash, train=train, vocab={"mask_token": TOY_MASK_TOKEN})
+    run_vocab(cfg)
+    return run_train(cfg)
+
+
 def _write_sets(folder: Path) -> tuple[Path, Path]:
     """Held-out toy questions as a GSM8K-schema JSONL and a MATH-500-schema parquet file."""
     chats = folder / "held_out.jsonl"
@@ -211,6 +231,107 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     written = [p for p in dd.root.rglob("*") if p.is_file()]
     assert {dd.eval_report, dd.eval_server_log("draft"), dd.eval_server_log("baseline_draft_early")} <= set(written)
     assert [p for p in written if key.encode() in p.read_bytes()] == []
+
+
+def replay_dflash_greedy(verifier: Path, draft_dir: Path, prompts: list[dict], max_new_tokens: int) -> dict:
+    """Greedy speculative decoding with a DFlash draft, replayed offline and independently of vLLM: the verifier's
+    greedy continuation (transformers, fp32) of each chat prompt, then the verify loop written out here: a block
+    starts at each verified (bonus) token, the draft (speculators' own forward, loaded from the export) proposes
+    the next block - 1 tokens from the verifier's states of every earlier token, the leading matching ones are
+    accepted, the next block starts after them. {id: (verify steps, accepted tokens)}."""
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3pipe.verifier import AuxStateCapture, load_text_model
+
+    tok = AutoTokenizer.from_pretrained(verifier)
+    lm = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    config = DFlashSpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path
+    draft = DFlashDraftModel(config)
+    draft.load_state_dict(load_file(str(draft_dir / "model.safetensors")), strict=False)
+    draft.load_verifier_weights()
+    draft.float().eval()
+    block, k = config.block_size, config.block_size - 1
+    capture = AuxStateCapture(load_text_model(verifier, torch.float32), config.aux_hidden_state_layer_ids)
+    out = {}
+    for prompt in prompts:
+        text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False, thinking=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            seq = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0]
+        n, start, pad = seq.shape[0], ids.shape[1], block + 1  # pad: speculators never anchors the row's last block
+        states = capture(seq[None])  # [1, n, aux + 1, H]
+        aux = states[:, :, :-1].flatten(2)
+        mask = torch.zeros(1, n + pad)
+        mask[0, start:n] = 1  # every generated token can be a block's first (bonus) token
+        with torch.no_grad():
+            _, logits, _, _, idx = draft._backbone_forward(  # noqa: SLF001 (the forward up to the logits)
+                torch.cat([aux, torch.zeros(1, pad, aux.shape[-1])], 1), torch.cat([seq, seq.new_zeros(pad)])[None],
+                mask, torch.cat([states[:, :, -1], torch.zeros(1, pad, states.shape[-1])], 1),
+                torch.cat([seq.new_zeros(n), -seq.new_ones(pad)])[None], max_anchors=n - start)
+        best = logits[0].argmax(-1)
+        proposals = (best + draft.d2t[best]).view(-1, block)[:, 1:].tolist()  # target ids of slots 1 .. k
+        by_anchor = dict(zip(idx.view(-1, block)[:, 0].tolist(), proposals))
+        steps = accepted = 0
+        pos = start  # the first generated token is the first verified one
+        while pos < n - 1:
+            truth = seq[pos + 1: pos + 1 + k].tolist()
+            run = 0
+            while run < len(truth) and by_anchor[pos][run] == truth[run]:
+                run += 1
+            steps, accepted, pos = steps + 1, accepted + run, pos + run + 1
+        out[prompt["id"]] = (steps, accepted)
+    return out
+
+
+@pytest.mark.integration
+def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(tmp_path, dflash_draft,
+                                                                        early_and_trained_drafts):
+    """Issue 31: 05 serves the DFlash draft with method dflash at its own k (block 8: 7 tokens a step) beside the
+    EAGLE-3 draft trained on the same rows at k = 3, same verifier and prompts; vLLM accepts DFlash drafts
+    (acceptance length > 1), and each column's figures are what its own per-request counters add up to."""
+    _, trained = early_and_trained_drafts
+    gsm8k, _ = _write_sets(tmp_path)
+    cfg = _ci_config(tmp_path / "data", evaluate={
+        "draft": str(dflash_draft), "baseline_draft": [f"eagle3={trained}"], "benchmarks": [f"gsm8k={gsm8k}"],
+        "prompts": "", "num_prompts": 3, "concurrency": [2], "num_speculative_tokens": 3,
+        "max_completion_tokens": 48, "server_args": SERVER_FLAGS, "baseline": False})
+    cfg.validate("evaluate")
+    report = run_evaluate(cfg)
+    assert report["num_speculative_tokens_by_draft"] == {"draft": 7, "eagle3": 3}
+    for name, k in (("draft", 7), ("eagle3", 3)):
+        got = report["acceptance"][name]["gsm8k"]
+        raw = report["runs"][name]["gsm8k"]["by_concurrency"]["2"]["per_request"]
+        want = _recount(raw)
+        assert {key: got[key] for key in want} == want and want["draft_tokens"] == k * want["drafts"] > 0, name
+        assert len(got["per_position_acceptance"]) == k
+    dflash = report["acceptance"]["draft"]["gsm8k"]
+    eagle3 = report["acceptance"]["eagle3"]["gsm8k"]
+    print(f"\nDFlash k=7: acceptance length {dflash['acceptance_length']}, per position "
+          f"{dflash['per_position_acceptance']}; EAGLE-3 k=3: {eagle3['acceptance_length']}")
+    assert dflash["accepted_tokens"] > 0 and dflash["acceptance_length"] > 1.0, dflash
+    argv = report["drafts"][0]["server"]["command"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "dflash", "model": str(dflash_draft.resolve()), "num_speculative_tokens": 7}
+    md = DataDir(tmp_path / "data").eval_markdown.read_text()
+    assert "| benchmark | draft (k=7) | eagle3 (k=3) |" in md and "each draft at its own k" in md
+    # vLLM serves what speculators trained: its counters equal a greedy replay of the same prompts through the
+    # exported draft's own forward, up to bf16 serving vs the fp32 replay (on the bench verifier: 1646 / 1647 verify
+    # steps, per position within 0.0013; on this weaker toy a prompt or two differ by one or two accepted tokens)
+    from eagle3pipe.eval_sets import load_eval_sets
+
+    (eval_set,) = load_eval_sets(cfg.evaluate.benchmarks, "", 3, cfg.shared.seed)
+    replay = replay_dflash_greedy(CI_VERIFIER, dflash_draft, eval_set.prompts, 48)
+    served = {r["id"]: (r["speculative_decoding"]["num_spec_steps"], r["speculative_decoding"][
+        "num_accepted_draft_tokens"]) for r in report["runs"]["draft"]["gsm8k"]["by_concurrency"]["2"]["per_request"]}
+    print(f"served (steps, accepted) {served}, replayed {replay}")
+    steps = [sum(v[0] for v in d.values()) for d in (served, replay)]
+    accepted = [sum(v[1] for v in d.values()) for d in (served, replay)]
+    assert abs(steps[0] - steps[1]) <= max(3, 0.1 * steps[0]) and abs(accepted[0] - accepted[1]) <= max(
+        3, 0.1 * accepted[0]), (served, replay)
 
 
 @pytest.mark.integration

@@ -241,3 +241,47 @@ def test_the_token_count_is_reduced_exactly(tmp_path):
     want = (1_500_000_001 + 1_500_000_002)  # each rank's count, summed: 3_000_000_003
     for rank in range(2):
         assert f"rank {rank} tokens {float(want)!r} loss_total 2.0" in res.stdout, res.stdout
+
+
+# -- issue 31: a DFlash draft under torchrun: its random anchors are drawn per packed row -------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_runs(toy_llama, tmp_path_factory):
+    """A DFlash draft trained by 2 torchrun processes and by 1 process x grad_accum 2 on the same rows."""
+    from tests.test_draft_fixtures import dflash_config
+
+    root = tmp_path_factory.mktemp("ddp_dflash")
+    rows = make_rows(ROWS["num_rows"], seed=ROWS["seed"])
+    for name, accum in (("a", 1), ("b", 2)):
+        write_rows(root / name, rows)
+        write_hidden_states(root / name, toy_llama, rows)
+        cfg = dflash_config(root / name, toy_llama, **{**TRAIN, "grad_accum": accum})
+        run_vocab(cfg)
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    res = subprocess.run(_torchrun(root / "a.yaml"), cwd=REPO, env=_env(), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run_train(dflash_config(root / "b", toy_llama, **{**TRAIN, "grad_accum": 2}))
+    return root / "a", root / "b"
+
+
+def test_dflash_two_processes_train_what_one_process_with_grad_accum_2_does(dflash_runs):
+    """Each packed row's anchors come from its place in the packing, not from the rank that trains it: the loss,
+    expected acceptance length and held-out figures of 2 ranks equal 1 process x grad_accum 2, and so do the
+    weights."""
+    a, b = dflash_runs
+    ta, tb = _metrics(a, "train"), _metrics(b, "train")
+    assert [r["step"] for r in ta] == [r["step"] for r in tb] == LOGGED
+    for x, y in zip(ta, tb):
+        for key in ("loss", "eal", "acc", "pos_acc_1", "blocks", "block_tokens", "lr", "window_steps"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    assert [r["rows"] for r in ta] == [4, 4, 3, 4, 3]  # steps of [2, 2, 2, 2, 1] rows an epoch, 2 steps a line
+    ea, eb = _metrics(a, "eval"), _metrics(b, "eval")
+    assert [r["step"] for r in ea] == [r["step"] for r in eb] == EVALUATED
+    for x, y in zip(ea, eb, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["eal"] == pytest.approx(y["eal"], rel=1e-5)
+        assert x["simulated_acceptance_length"] == x["eal"]  # what train.export best chooses a DFlash draft by
+    wa, wb = _weights(a, STEPS), _weights(b, STEPS)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(_weights(a, 2)[k], wa[k]) for k in wa)  # it trained

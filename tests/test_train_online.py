@@ -1018,3 +1018,46 @@ def test_online_evaluates_every_n_steps_as_offline(storage, toy_llama, server, o
         assert {k: b[k] for k in a if k != "kind"} == pytest.approx({k: v for k, v in a.items() if k != "kind"},
                                                                     abs=1e-5)
     assert not list(DataDir(online).train_spool.rglob("hs_*.safetensors"))
+
+
+# -- issue 31: a DFlash draft online: the same rows, the same anchors, the same draft -----------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_runs(storage, toy_llama, server, offline_runs):
+    """A DFlash draft (random anchors per packed row) offline on run a's states, and online, with a held-out split."""
+    import shutil
+
+    from test_draft_fixtures import DFLASH_TRAIN, TOY_MASK_TOKEN
+
+    offline = storage / "a_dflash"
+    shutil.copytree(storage / "a", offline, ignore=shutil.ignore_patterns("checkpoints", "vocab"))
+    cfg = make_cfg(offline, toy_llama, [server.url], eval_fraction=EVAL_FRACTION, **DFLASH_TRAIN)
+    cfg.vocab.mask_token = TOY_MASK_TOKEN
+    run_vocab(cfg)
+    run_train(cfg)
+    online = storage / "c_dflash"
+    write_rows(online, NUM_ROWS, seed=7, min_len=8, max_len=48)
+    cfg = make_cfg(online, toy_llama, [server.url], data_source="online", spool_gb=3.5 * BYTES_PER_ROW / 1e9,
+                   eval_fraction=EVAL_FRACTION, **DFLASH_TRAIN)
+    cfg.vocab.mask_token = TOY_MASK_TOKEN
+    run_vocab(cfg)
+    run_train(cfg)
+    return offline, online
+
+
+def test_dflash_online_trains_and_evaluates_as_offline(dflash_runs):
+    """Online and offline pack the same rows and seed each row's anchors by its place in the packing: the loss,
+    expected acceptance length and held-out lines of a DFlash draft trained online equal offline's."""
+    offline, online = dflash_runs
+    off, on = metrics(offline, "train"), metrics(online, "train")
+    assert [r["step"] for r in on] == [r["step"] for r in off] and len(off) >= 4
+    for a, b in zip(off, on):
+        for key in ("loss", "eal", "acc", "blocks"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+    ev_off, ev_on = metrics(offline, "eval"), metrics(online, "eval")
+    assert [r["epoch"] for r in ev_on] == [r["epoch"] for r in ev_off] == [0, 1]
+    for a, b in zip(ev_off, ev_on):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["eal"] == pytest.approx(a["eal"], abs=1e-5)
+    assert json.loads((DataDir(online).final_checkpoint / "config.json").read_text())["speculators_model_type"] == \
+        "dflash"

@@ -111,3 +111,51 @@ def test_counting_keeps_tens_of_bytes_a_row(tmp_path, toy_llama):
     per_row = bytes_per_row(setup, 5000, 20000)
     print(f"\nstage 03 allocates {per_row:.1f} bytes a row")
     assert per_row < 64
+
+
+# -- issue 31: the DFlash mask token, by name, from the verifier's own tokenizer ----------------------------------
+
+
+def test_dflash_mask_token_is_resolved_by_name_and_checked(tmp_path, toy_llama, toy_kimi, toy_kimi_meta, capsys):
+    """03 --draft dflash writes the mask token's name and id: "[PAD]" on the fast-tokenizer toy (it has no
+    [UNK]), "[UNK]" on the release-shaped toy through its remote-code tokenizer (the release's 163838, two below
+    the vocabulary's end). Refused, naming the culprit: a name the tokenizer lacks (which its convert_tokens_to_ids
+    would silently map to [UNK]), a plain text piece, and a token that occurs in the rows."""
+    from transformers import AutoTokenizer
+
+    from tests.test_draft_fixtures import TOY_MASK_ID, TOY_MASK_TOKEN, dflash_config
+
+    rows = make_rows(12, seed=9)
+    write_rows(tmp_path / "a", rows)
+    summary = run_vocab(dflash_config(tmp_path / "a", toy_llama))
+    assert (summary.mask_token, summary.mask_token_id) == (TOY_MASK_TOKEN, TOY_MASK_ID)
+    assert load_vocab_summary(DataDir(tmp_path / "a").vocab_summary).mask_token_id == TOY_MASK_ID
+    assert run_vocab(toy_config(tmp_path / "a", toy_llama)).mask_token_id == -1  # EAGLE-3: none resolved
+
+    kimi_vocab = toy_kimi_meta["vocab_size"]
+    write_rows(tmp_path / "k", rows)
+    cfg = dflash_config(tmp_path / "k", toy_kimi)
+    cfg.shared.vocab_size, cfg.vocab.mask_token = kimi_vocab, "[UNK]"
+    summary = run_vocab(cfg)
+    tok = AutoTokenizer.from_pretrained(toy_kimi, trust_remote_code=True)
+    assert summary.mask_token_id == tok.get_vocab()["[UNK]"] == kimi_vocab - 2
+    assert tok.convert_tokens_to_ids("[MASK]") == summary.mask_token_id  # the silent fallback a lookup by name avoids
+
+    def refused(name: str, data_rows) -> str:
+        folder = tmp_path / f"r{len(capsys.readouterr().err)}_{abs(hash(name)) % 1000}"
+        write_rows(folder, data_rows)
+        argv = ["--data-dir", str(folder), "--verifier", str(toy_kimi), "--vocab-size", str(kimi_vocab),
+                "--draft-vocab-size", "256", "--aux-layer-ids", "2", "4", "5", "--draft", "dflash", "--mask-token",
+                name, "--max-seq-len", "256"]
+        assert run_stage("vocab", "03_vocab", run_vocab, None, argv) == 2
+        return capsys.readouterr().err
+
+    err = refused("[MASK]", rows)
+    assert "vocab.mask_token '[MASK]': no token of that name" in err and "[UNK]" in err, err
+    piece = next(t for t in tok.get_vocab() if t.isalpha() and len(t) > 2)
+    err = refused(piece, rows)
+    assert "is a regular piece of text" in err, err
+    mixed = make_rows(12, seed=9)
+    mixed[5].input_ids[3] = summary.mask_token_id  # a row whose text holds "[UNK]" (it encodes to the special)
+    err = refused("[UNK]", mixed)
+    assert "occurs 1 times in the rows (first in row 'r5')" in err and "--mask-token" in err, err
