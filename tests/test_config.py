@@ -328,7 +328,7 @@ def test_each_script_help_prints_descriptions_and_defaults(monkeypatch):
     from eagle3pipe.config import build_parser
 
     monkeypatch.setenv("COLUMNS", "100")
-    expect = {"prepare": ("--max-samples", "cap on rows kept per run", "(default: 10000)"),
+    expect = {"prepare": ("--max-samples", "questions kept per dataset", "(default: 10000)"),
               "generate": ("--concurrency", "requests in flight at once, over all servers", "(default: 128)"),
               "extract": ("--storage-dtype", "one scale per token and state", "(default: bf16)"),
               "vocab": ("--rebuild", "rebuild the map from our data", "(default: false)"),
