@@ -46,6 +46,8 @@ from typing import Awaitable, Callable
 import httpx2  # the HTTP library the openai client is built on
 
 log = logging.getLogger(__name__)
+# a line of a vLLM log that names why a process failed: vLLM's ERROR lines and a traceback's last line ("XError: ...")
+STARTUP_CAUSE = re.compile(r"\bERROR\b|^(\([^)]*\)\s*)?[\w.]*(Error|Exception)\b: ")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON_ENV = "EAGLE3PIPE_VLLM_PYTHON"  # override for the interpreter that has vLLM installed
@@ -924,7 +926,7 @@ class VllmServer:
         while True:
             if self.proc.poll() is not None:
                 raise ServerError(f"vLLM exited with status {self.proc.returncode} during start-up; "
-                                  f"log {self.log_file}:\n{self.log_tail()}")
+                                  f"log {self.log_file}:\n{self.failure_excerpt()}")
             try:
                 if httpx2.get(self.url + "/v1/models", headers=auth_headers(), timeout=2.0).status_code == 200:
                     return
@@ -940,6 +942,19 @@ class VllmServer:
                 raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
                                   f"{self.log_tail()}")
             time.sleep(1.0)
+
+    def failure_excerpt(self, causes: int = 8, lines: int = 12) -> str:
+        """What a failed start says: the lines of the engine and worker processes that name an error (the cause;
+        the API server's own traceback, which ends the log, only says "Engine core initialization failed. See root
+        cause above"), then the log's last lines."""
+        try:
+            text = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return "<no log>"
+        found = [line for line in text if STARTUP_CAUSE.search(line) and not line.startswith("(APIServer")]
+        cause = "\n".join(found[:causes])
+        tail = "\n".join(text[-lines:])
+        return f"the cause, as the engine logged it:\n{cause}\n... the log ends:\n{tail}" if cause else tail
 
     def log_tail(self, lines: int = 30) -> str:
         try:
