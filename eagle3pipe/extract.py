@@ -22,7 +22,9 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from .cli import StageError, errors_allowed
@@ -31,12 +33,14 @@ from .extract_worker import ShardJob, worker_main, clean_shard_dir, extract_shar
 from .progress import format_duration
 from .records import (
     HS_FORMAT_VERSION,
+    HS_JOURNAL_DTYPE,
     HS_META_LAYER_IDS,
     DataDir,
     DroppedRow,
     FormatError,
     HiddenStatesManifest,
-    HsJournalEntry,
+    RowIndex,
+    RowSelection,
     atomic_write_json,
     check_hs_file_metadata,
     check_synthetic_finished,
@@ -45,9 +49,9 @@ from .records import (
     hs_bytes_per_token,
     is_hs_attempt_file,
     load_hs_finalize_plan,
-    load_hs_journal,
+    load_hs_journal_arrays,
     load_hs_manifest,
-    load_training_rows,
+    open_row_index,
     read_hidden_states_header,
     save_hs_finalize_plan,
     save_hs_manifest,
@@ -159,7 +163,7 @@ def run_workers(jobs: list[ShardJob], log_file: Path) -> None:
         raise StageError(f"extract workers failed (shard, exit code): {failed}; see the log; a rerun resumes")
 
 
-def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: int, todo: list) -> None:
+def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: int, todo: RowSelection) -> None:
     """The transformers backend: worker processes (one per GPU, or one whose model spans all GPUs) run the model
     here, each on its own shard of the samples."""
     ex, sh = cfg.extract, cfg.shared
@@ -168,7 +172,7 @@ def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: in
         preflight_gpu_memory(verifier_load_bytes(sh.verifier, ex.model_dtype, sh.trust_remote_code),
                              gpu_memory_bytes(devices, ex.device_map), sh.verifier, ex.model_dtype)
     # interleave the length-sorted samples so every shard gets the same mix of lengths
-    ordered = sorted(todo, key=lambda it: -len(it[2]))
+    ordered = todo.longest_first()
     cpu_threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else 0
     jobs = []
     for w, device in enumerate(devices):
@@ -178,10 +182,10 @@ def _extract_with_transformers(cfg: PipelineConfig, dd: DataDir, first_shard: in
             model_dtype=ex.model_dtype, storage_dtype=ex.storage_dtype, device=device, device_map=ex.device_map,
             batch_tokens=ex.batch_tokens, writer_threads=ex.writer_threads,
             max_pending_batches=ex.max_pending_batches, progress_every_s=sh.progress_every_s,
-            items=ordered[w :: len(devices)], cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
+            items=ordered.take(slice(w, None, len(devices))), cpu_threads=cpu_threads, trust_remote_code=sh.trust_remote_code,
             compile=ex.compile,
         ))
-    run_workers([j for j in jobs if j.items], dd.log_file(STAGE))
+    run_workers([j for j in jobs if len(j.items)], dd.log_file(STAGE))
 
 
 def gpu_memory_bytes(devices: list[str], device_map: str) -> int:
@@ -202,57 +206,93 @@ def preflight_gpu_memory(need: int, have: int, verifier: str, model_dtype: str) 
             "extract.backend: vllm (--backend vllm: vLLM's int4 kernels, tensor parallel over the node's GPUs)")
 
 
-def journal_entries(dd: DataDir) -> dict[int, HsJournalEntry]:
-    """Every journalled sample by input position (the first entry wins), each with its ``shard``."""
-    entries: dict[int, HsJournalEntry] = {}
-    for shard_dir in sorted(dd.hs_work.glob("shard_*")):
-        shard = int(shard_dir.name.split("_")[1])
-        for e in load_hs_journal(dd.hs_shard_journal(shard)):
-            if e.position not in entries:
-                e.shard = shard  # type: ignore[attr-defined]
-                entries[e.position] = e
-    return entries
+class Journal:
+    """Every journalled sample of hidden_states/work, as arrays (stage 02's resume and finalize at 10^6 samples,
+    32 bytes a sample kept): ``positions`` (int64, sorted: every input position journalled), ``plan`` (the finalize
+    plan of the written ones: int64 [N, 3], (position, shard, local index) of hs_0, hs_1, ... in input order), the
+    written samples' ``num_tokens`` and ``bytes``, and ``dropped`` {position: (id, reason)} of the samples journalled
+    as dropped. One entry per position: that of the lowest shard (the earliest run), the first it journalled."""
+
+    def __init__(self, dd: DataDir):
+        parts, dropped = [], {}
+        for shard in sorted(int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")):
+            entries, shard_dropped = load_hs_journal_arrays(dd.hs_shard_journal(shard), shard)
+            parts.append(entries)
+            for position, why in shard_dropped.items():
+                dropped.setdefault(position, why)
+        every = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, HS_JOURNAL_DTYPE)
+        del parts
+        # in place, by position, then shard (the earlier run first), then local index (its journal order)
+        every.sort(order=["position", "shard", "local_index"], kind="stable")
+        first = np.ones(len(every), dtype=bool)
+        first[1:] = every["position"][1:] != every["position"][:-1]
+        if not first.all():
+            every = every[first]  # the first entry of each position
+        del first
+        self.positions = every["position"].copy()  # [n]
+        written = every["local_index"] >= 0  # [n]
+        self.plan = np.empty((int(written.sum()), 3), dtype=np.int64)  # [N, 3]
+        for column, name in enumerate(("position", "shard", "local_index")):
+            self.plan[:, column] = every[name][written]
+        self.num_tokens = int(every["num_tokens"][written].sum(dtype=np.int64))
+        self.bytes = int(every["bytes"][written].sum(dtype=np.int64))
+        dropped_positions = set(every["position"][~written].tolist())  # few
+        self.dropped = {p: why for p, why in dropped.items() if p in dropped_positions}
 
 
-def written_files(dd: DataDir, entries: dict[int, HsJournalEntry]) -> list[tuple[HsJournalEntry, Path, Path]]:
-    """(entry, its shard file, its final hs_{g}) of every written sample, g in input order: finalize's renames."""
-    written = [entries[i] for i in sorted(entries) if entries[i].local_index >= 0]
-    return [(e, dd.hs_shard_file(e.shard, e.local_index), dd.hs_file(g))  # type: ignore[attr-defined]
-            for g, e in enumerate(written)]
+PLAN_CHUNK = 1024  # plan rows turned into Python ints at a time (a loop over 10^6 files keeps its memory)
 
 
-def plan_of(files: list[tuple[HsJournalEntry, Path, Path]]) -> list[tuple[int, int, int]]:
-    """The finalize plan of ``written_files``' renames: (position, shard, local index) of hs_0, hs_1, ..."""
-    return [(e.position, e.shard, e.local_index) for e, _, _ in files]  # type: ignore[attr-defined]
+def plan_files(dd: DataDir, plan: np.ndarray) -> Iterator[tuple[int, int, Path, Path]]:
+    """(g, position, its shard file, its final hs_{g}) of each row of a finalize plan, in order."""
+    for start in range(0, len(plan), PLAN_CHUNK):
+        for g, (position, shard, local_index) in enumerate(plan[start:start + PLAN_CHUNK].tolist(), start):
+            yield g, position, dd.hs_shard_file(shard, local_index), dd.hs_file(g)
 
 
-def undo_plan(dd: DataDir, plan: list[tuple[int, int, int]]) -> None:
+def load_plan(dd: DataDir) -> np.ndarray | None:
+    """The saved finalize plan (or one an eagle3pipe before issue 27 saved as JSON), None when there is none."""
+    plan = load_hs_finalize_plan(dd.hs_finalize_plan)
+    return plan if plan is not None else load_hs_finalize_plan(dd.hs_finalize_plan_v1)
+
+
+def delete_plan(dd: DataDir) -> None:
+    dd.hs_finalize_plan.unlink(missing_ok=True)
+    dd.hs_finalize_plan_v1.unlink(missing_ok=True)
+
+
+def save_plan(dd: DataDir, plan: np.ndarray) -> None:
+    save_hs_finalize_plan(dd.hs_finalize_plan, plan)
+    dd.hs_finalize_plan_v1.unlink(missing_ok=True)
+
+
+def undo_plan(dd: DataDir, plan: np.ndarray) -> None:
     """Put every file an earlier finalize renamed by ``plan`` back into its shard, then delete the plan. Needed
     before renaming by another plan (a sample left open is now written: every later hs_{i} moves by one), which
     would otherwise take a file that is already in place for the one it replaces. Idempotent: an interrupted undo is
     finished by the next run (the plan goes last)."""
     moved = 0
-    for g, (_, shard, local_index) in enumerate(plan):
-        src, dst = dd.hs_shard_file(shard, local_index), dd.hs_file(g)
+    for _, _, src, dst in plan_files(dd, plan):
         if dst.exists() and not src.exists():
             os.replace(dst, src)
             moved += 1
     log.info("%s: %d files put back into their shards by the finalize plan of %d samples, to be renumbered",
              dd.hs_files, moved, len(plan))
-    dd.hs_finalize_plan.unlink()
+    delete_plan(dd)
 
 
-def check_moved_files(dd: DataDir, rows, files: list[tuple[HsJournalEntry, Path, Path]]) -> None:
+def check_moved_files(dd: DataDir, rows, plan: np.ndarray) -> None:
     """Files already in hidden_states/ with no finalize plan saying how they got there (an output of an eagle3pipe
     before the plan existed, interrupted in finalize): each must hold its row's token ids, else the stage stops,
     naming the file (a finalize of that version renumbered around a sample left open: its files are mis-paired)."""
-    for e, src, dst in files:
+    for _, position, src, dst in plan_files(dd, plan):
         if src.exists() or not dst.exists():
             continue
         token_ids = read_hidden_states_header(dst)[0]
-        if token_ids != rows[e.position].input_ids:
+        row = rows[position]
+        if token_ids != row.input_ids:
             raise StageError(
-                f"{dst} holds other token ids than row {e.id} (line {e.position + 1}), the row it stands for: an "
+                f"{dst} holds other token ids than row {row.id} (line {position + 1}), the row it stands for: an "
                 "earlier eagle3pipe's finalize was interrupted after it numbered the files without a sample left "
                 f"open, so the files of {dd.hs_files} are not paired with their rows. Rerun with --overwrite to "
                 "extract them again")
@@ -265,27 +305,27 @@ def reopen(dd: DataDir, manifest: HiddenStatesManifest) -> None:
     (they are the ones its finalize renamed from: nothing was journalled since it finished)."""
     log.info("%s: finished with %d samples left open by transient failures: reopening it to retry them",
              dd.hidden_states, manifest.num_retryable)
-    if not dd.hs_finalize_plan.exists():
-        save_hs_finalize_plan(dd.hs_finalize_plan, plan_of(written_files(dd, journal_entries(dd))))
+    if load_plan(dd) is None:
+        save_plan(dd, Journal(dd).plan)
     dd.provenance(dd.hidden_states).unlink(missing_ok=True)
     dd.hs_manifest.unlink()
 
 
-def forget_lost_files(dd: DataDir, lost: list[tuple[HsJournalEntry, Path, Path]]) -> None:
+def forget_lost_files(dd: DataDir, rows, plan: np.ndarray, lost: list[int]) -> None:
     """Journal entries whose file is gone (deleted, a lost disk) are removed, so the next run re-extracts exactly
-    those rows (every other file stays); then the stage stops, saying so."""
+    those rows (every other file stays); then the stage stops, saying so. ``lost``: rows of ``plan``."""
     by_shard: dict[int, set[int]] = {}
-    for e, _, _ in lost:
-        by_shard.setdefault(e.shard, set()).add(e.position)  # type: ignore[attr-defined]
+    for g in lost:
+        by_shard.setdefault(int(plan[g, 1]), set()).add(int(plan[g, 0]))
     for shard, positions in by_shard.items():
         forget_hs_journal_entries(dd.hs_shard_journal(shard), positions)
-    e, src, _ = lost[0]
-    raise StageError(f"{len(lost)} samples journalled as written have no file (first: row {e.id}, line "
-                     f"{e.position + 1}: {src}); their journal entries are removed: rerun the stage to re-extract "
-                     "exactly them (every other sample is kept)")
+    position, shard, local_index = (int(v) for v in plan[lost[0]])
+    raise StageError(f"{len(lost)} samples journalled as written have no file (first: row {rows[position].id}, "
+                     f"line {position + 1}: {dd.hs_shard_file(shard, local_index)}); their journal entries are "
+                     "removed: rerun the stage to re-extract exactly them (every other sample is kept)")
 
 
-def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
+def finalize(dd: DataDir, rows: RowIndex, identity: dict, cfg: PipelineConfig, num_layers: int, hidden_size: int,
              config_hash: str, open_samples: dict[int, str] | None = None) -> HiddenStatesManifest:
     """Rename shard files to hs_{i} in input order, write rows dataset, errors.jsonl and (last) the manifest.
     ``open_samples`` ({position: reason}): samples transient failures left open, within --max-error-share: listed
@@ -294,39 +334,48 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     The renames follow a plan saved before the first of them (``DataDir.hs_finalize_plan``): a rerun with the same
     journals goes on with it (a file already moved, source gone and target present, is left); one whose journals
     differ (a sample left open is now written) first puts every file back by the old plan. So an interrupted
-    finalize is redone by a rerun, whatever it retried in between."""
+    finalize is redone by a rerun, whatever it retried in between. At 10^6 samples it keeps arrays (the journals,
+    the plan: ~50 bytes a sample), looks at each file's name (a stat or two, a rename), never into a file, and reads
+    each row's ids once, streamed into the rows dataset."""
     open_samples = open_samples or {}
-    entries = journal_entries(dd)
-    missing = [i for i in range(len(rows)) if i not in entries and i not in open_samples]
-    if missing:
-        raise StageError(f"{len(missing)} samples have no result (first lines: {[m + 1 for m in missing[:5]]}); "
+    journal = Journal(dd)
+    positions = journal.positions
+    accounted = np.zeros(len(rows), dtype=bool)
+    accounted[positions[positions < len(rows)]] = True
+    if open_samples:
+        accounted[np.fromiter(open_samples, dtype=np.int64, count=len(open_samples))] = True
+    missing = np.flatnonzero(~accounted)
+    del accounted
+    if missing.size:
+        raise StageError(f"{missing.size} samples have no result (first lines: {(missing[:5] + 1).tolist()}); "
                          "rerun the stage to extract them")
-    files = written_files(dd, entries)
-    written = [e for e, _, _ in files]
-    dropped = [entries[i] for i in sorted(entries) if entries[i].local_index < 0]
-    plan, before = plan_of(files), load_hs_finalize_plan(dd.hs_finalize_plan)
-    if before is not None and before != plan:
+    plan, before = journal.plan, load_plan(dd)
+    if before is not None and not np.array_equal(before, plan):
         undo_plan(dd, before)
         before = None
     if before is None:
-        check_moved_files(dd, rows, files)
-    lost = [f for f in files if not f[1].exists() and not f[2].exists()]
+        check_moved_files(dd, rows, plan)
+    lost = [g for g, _, src, dst in plan_files(dd, plan) if not src.exists() and not dst.exists()]
     if lost:  # checked before any rename: the mapping stays that of the journals
-        forget_lost_files(dd, lost)
+        forget_lost_files(dd, rows, plan, lost)
     if before is None:
-        save_hs_finalize_plan(dd.hs_finalize_plan, plan)  # durable before the first rename
+        save_plan(dd, plan)  # durable before the first rename
     dd.hs_files.mkdir(parents=True, exist_ok=True)
-    for _, src, dst in files:
+    for _, _, src, dst in plan_files(dd, plan):
         if src.exists():
             os.replace(src, dst)
-    for stale in dd.hs_files.glob("hs_*.safetensors"):
-        if int(stale.stem[3:]) >= len(written):
-            stale.unlink()
+    with os.scandir(dd.hs_files) as listing:
+        for stale in listing:
+            if stale.name.startswith("hs_") and stale.name.endswith(".safetensors"):
+                if int(stale.name[3:-len(".safetensors")]) >= len(plan):
+                    os.unlink(stale.path)
     for shard_dir in dd.hs_work.glob("shard_*"):  # late writes of requests the vLLM client gave up on
-        for junk in filter(is_hs_attempt_file, shard_dir.iterdir()):
-            junk.unlink(missing_ok=True)
-    save_hs_rows(dd.hidden_states, [(rows[e.position].input_ids, rows[e.position].loss_mask) for e in written])
-    listed = [(e.position, e.reason, e.id) for e in dropped]
+        with os.scandir(shard_dir) as listing:
+            for junk in listing:
+                if is_hs_attempt_file(Path(junk.name)):
+                    Path(junk.path).unlink(missing_ok=True)
+    save_hs_rows(dd.hidden_states, ((row.input_ids, row.loss_mask) for row in rows.rows(plan[:, 0])))
+    listed = [(position, reason, row_id) for position, (row_id, reason) in journal.dropped.items()]
     listed += [(i, f"retryable: {reason} (a rerun of stage 02 retries it)", rows[i].id)
                for i, reason in open_samples.items()]
     write_jsonl_atomic(dd.hs_errors, [DroppedRow(identity["input"], position, reason, row_id).to_json()
@@ -334,9 +383,9 @@ def finalize(dd: DataDir, rows, identity: dict, cfg: PipelineConfig, num_layers:
     manifest = HiddenStatesManifest(
         verifier=identity["verifier"], num_layers=num_layers, aux_layer_ids=identity["aux_layer_ids"],
         hidden_size=hidden_size, model_dtype=identity["model_dtype"], storage_dtype=identity["storage_dtype"],
-        num_samples=len(written), num_tokens=sum(e.num_tokens for e in written),
-        num_dropped=len(dropped) + len(open_samples), bytes=sum(e.bytes for e in written), input=identity["input"],
-        config_hash=config_hash, states=state_names(identity["aux_layer_ids"], num_layers),
+        num_samples=len(plan), num_tokens=journal.num_tokens,
+        num_dropped=len(journal.dropped) + len(open_samples), bytes=journal.bytes,
+        input=identity["input"], config_hash=config_hash, states=state_names(identity["aux_layer_ids"], num_layers),
         num_retryable=len(open_samples),
     )
     save_hs_manifest(dd.hs_manifest, manifest)
@@ -412,23 +461,40 @@ def _changed(run_before: dict | None, manifest: HiddenStatesManifest | None, ide
     return "; ".join(changed) or "settings differ"
 
 
-def read_rows(cfg: PipelineConfig) -> tuple[Path, list]:
-    """(input file, its rows): the rows stage 02 extracts (and 04 online trains from), ``extract.input``'s file; a
-    partial 01b output, an empty file or a repeated row id is refused."""
+def read_rows(cfg: PipelineConfig) -> tuple[Path, RowIndex]:
+    """(input file, its row index): the rows stage 02 extracts (and 04 online trains from), ``extract.input``'s file;
+    a partial 01b output, an empty file or a repeated row id is refused. The rows stay on disk (``records.RowIndex``:
+    28 bytes a row, memory-mapped); ``rows[i]`` reads row i when it is needed."""
     src = input_path(cfg)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no input rows; run the stage that writes it, or pick another with --input")
     if cfg.extract.input == "synthetic":
         check_synthetic_finished(DataDir(cfg.data_dir))  # a partial 01b output is refused, naming 01b
-    rows = list(load_training_rows(src))
-    if not rows:
+    rows = open_row_index(src, "rows")
+    if not len(rows):
         raise StageError(f"{src}: holds no rows")
-    seen: dict[str, int] = {}
-    for i, r in enumerate(rows):
-        if r.id in seen:
-            raise FormatError(f"{src}: row id {r.id!r} appears on lines {seen[r.id] + 1} and {i + 1}")
-        seen[r.id] = i
+    first_repeat = _first_repeated_id(rows)
+    if first_repeat is not None:
+        row_id, first, second = first_repeat
+        raise FormatError(f"{src}: row id {row_id!r} appears on lines {first + 1} and {second + 1}")
     return src, rows
+
+
+def _first_repeated_id(rows: RowIndex) -> tuple[str, int, int] | None:
+    """(id, its first line, its second) of the id repeated earliest in file order (by its second line), or None.
+    By the index's id keys (arrays), each candidate's lines read to compare the ids themselves."""
+    keys = np.asarray(rows.keys)
+    order = np.argsort(keys, kind="stable")  # [n]: equal keys in file order
+    sorted_keys = keys[order]  # [n]
+    same = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])  # order[j + 1] repeats order[j]'s key
+    best = None
+    for j in same[np.argsort(order[same + 1], kind="stable")]:  # by the repeat's line
+        second = int(order[j + 1])
+        first = int(order[np.searchsorted(sorted_keys, keys[second])])  # the key's first line
+        if rows.record(first)["id"] == rows.record(second)["id"]:
+            best = (rows.record(first)["id"], first, second)
+            break
+    return best
 
 
 def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
@@ -479,22 +545,23 @@ def run_extract(cfg: PipelineConfig) -> HiddenStatesManifest:
     dd.hs_work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_file, {"config_hash": config_hash, "identity": identity})
 
-    done: set[int] = set()
+    done = np.zeros(len(rows), dtype=bool)
     for shard_dir in dd.hs_work.glob("shard_*"):
-        done.update(e.position for e in clean_shard_dir(dd, int(shard_dir.name.split("_")[1])))
-    todo = [(i, r.id, r.input_ids) for i, r in enumerate(rows) if i not in done]
+        positions = clean_shard_dir(dd, int(shard_dir.name.split("_")[1]))["position"]
+        done[positions[positions < len(rows)]] = True
+    todo = RowSelection(rows, np.flatnonzero(~done))  # positions and lengths: each row's ids read as it is sent
     num_states = len(sh.aux_layer_ids) + 1
-    todo_tokens = sum(len(it[2]) for it in todo)
-    log.info("%s: %d rows, %d already done, %d to extract (%d tokens); states %s", src, len(rows), len(done),
-             len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
+    todo_tokens = todo.tokens
+    log.info("%s: %d rows, %d already done, %d to extract (%d tokens); states %s", src, len(rows),
+             int(done.sum()), len(todo), todo_tokens, state_names(sh.aux_layer_ids, num_layers))
     open_samples: dict[int, str] = {}
-    if todo:
+    if len(todo):
         preflight_disk(dd, todo_tokens, len(todo), num_states, hidden_size, ex.storage_dtype, ex.force_disk)
         shard = max({int(p.name.split("_")[1]) for p in dd.hs_work.glob("shard_*")} | {-1}) + 1
         t0 = time.monotonic()
         if ex.backend == "vllm":
             open_samples = extract_with_vllm(cfg, dd, shard, todo, num_layers, hidden_size,
-                                             max(len(r.input_ids) for r in rows))
+                                             int(rows.lengths.max()))
         else:
             _extract_with_transformers(cfg, dd, shard, todo)
         elapsed = time.monotonic() - t0

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2  # the HTTP library the openai client is built on
+import numpy as np
 
 from .cli import StageError
 from .config import PipelineConfig
@@ -58,6 +59,7 @@ from .records import (
     FormatError,
     HsJournalEntry,
     JsonlAppender,
+    RowSelection,
     check_hs_file_metadata,
     hs_attempt_file,
     hs_layer_ids,
@@ -460,16 +462,17 @@ class Extractor:
             "tokens": str(self.tokens), "tok/s": f"{self.tokens / elapsed:.0f}", "GB written": f"{self.bytes / 1e9:.2f}",
             "retries": str(self.retries)})
 
-    async def run(self, items: list[Item], first_local: int) -> list[tuple[Item, RequestFailure]]:
-        """Every item through ``one`` with bounded concurrency; returns the ones that failed."""
-        queue: asyncio.Queue = asyncio.Queue()
-        for k, item in enumerate(items):
-            queue.put_nowait((item, first_local + k))
+    async def run(self, items: "RowSelection | list[Item]", first_local: int) -> list[tuple[Item, RequestFailure]]:
+        """Every item through ``one`` with bounded concurrency, item k as local index first_local + k; returns the
+        ones that failed. A RowSelection's rows are read as they are sent (nothing is queued per row)."""
         failed: list[tuple[Item, RequestFailure]] = []
+        taken = 0
 
         async def worker() -> None:
-            while not queue.empty():
-                item, local = queue.get_nowait()
+            nonlocal taken
+            while taken < len(items):
+                k, taken = taken, taken + 1  # one event loop: no other worker runs between these two
+                item, local = items[k], first_local + k
                 outcome = await self.one(item, local)
                 if outcome.entry is None:
                     failed.append((item, outcome.failure))
@@ -554,7 +557,7 @@ async def verify_capture(ex: Extractor, items: list[Item], first_local: int, hea
 # Driver
 
 
-def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: list[Item], num_layers: int,
+def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: RowSelection, num_layers: int,
                       hidden_size: int, max_row_len: int) -> dict[int, str]:
     """Stage 02's vLLM backend for the ``todo`` samples, journalled in ``work/shard_{shard}``. Returns the samples
     left open after every retry ({position: "kind: message"}: not journalled, so a rerun retries them); the caller
@@ -579,37 +582,40 @@ def extract_with_vllm(cfg: PipelineConfig, dd: DataDir, shard: int, todo: list[I
     return {item[0]: f"{f.kind}: {f.message}" for item, f in failed}
 
 
-def refuse_rows_too_long(todo: list[Item], max_model_len: int, urls: list[str]) -> None:
+def refuse_rows_too_long(todo: RowSelection, max_model_len: int, urls: list[str]) -> None:
     """vLLM refuses a prompt that leaves no room for the one generated token (prompt + max_tokens 1 must fit
-    max_model_len): such rows are refused before anything is sent, with the count and the fix."""
-    long = [it for it in todo if max_model_len and len(it[2]) >= max_model_len]
-    if long:
-        longest = max(long, key=lambda it: len(it[2]))
+    max_model_len): such rows are refused before anything is sent, with the count and the fix (from the rows'
+    lengths; the longest row alone is read, for its id)."""
+    if not max_model_len:
+        return
+    long = np.flatnonzero(todo.lengths >= max_model_len)
+    if long.size:
+        k = int(long[np.argmax(todo.lengths[long])])
+        position, row_id, ids = todo[k]
         raise StageError(
-            f"{len(long)} of {len(todo)} rows have {max_model_len} tokens or more (the longest: row {longest[1]}, "
-            f"line {longest[0] + 1}, {len(longest[2])} tokens), but the servers' max_model_len is {max_model_len} "
+            f"{long.size} of {len(todo)} rows have {max_model_len} tokens or more (the longest: row {row_id}, "
+            f"line {position + 1}, {len(ids)} tokens), but the servers' max_model_len is {max_model_len} "
             f"(/v1/models of {', '.join(urls)}) and each request needs room for its prompt and 1 generated token: "
-            f"start the servers with --max-model-len {max(len(it[2]) for it in long) + 1} or more (extract.server_args;"
+            f"start the servers with --max-model-len {len(ids) + 1} or more (extract.server_args;"
             " python -m eagle3pipe.extract_vllm prints the command). Nothing was sent")
 
 
-async def _run(cfg, dd, shard, todo, urls, num_layers, hidden_size, progress, journal, head_cls):
+async def _run(cfg, dd, shard, todo: RowSelection, urls, num_layers, hidden_size, progress, journal, head_cls):
     async with Extractor(cfg, dd, shard, urls, num_layers, hidden_size, progress, journal) as ex:
         model, max_model_len = await ex.server_info()
         log.info("extracting %d samples through %s (model %s, max_model_len %d), %d in flight", len(todo),
                  ", ".join(urls), model, max_model_len, cfg.extract.concurrency)
         refuse_rows_too_long(todo, max_model_len, urls)
-        items, local = list(todo), 0
-        if head_cls is not None and items:
-            first = await check_capture(ex, sorted(items, key=lambda it: it[0]), local, head_cls)
+        local = 0
+        if head_cls is not None and len(todo):
+            first = await check_capture(ex, todo.take(np.argsort(todo.positions, kind="stable")), local, head_cls)
             local += len(first)
-            done = {it[0] for it in first}
-            items = [it for it in items if it[0] not in done]
-        items.sort(key=lambda it: -len(it[2]))  # longest first: an out-of-memory shows at once
-        return await ex.run(items, local)
+            checked = np.array([it[0] for it in first], dtype=np.int64)
+            todo = todo.take(~np.isin(todo.positions, checked))
+        return await ex.run(todo.longest_first(), local)  # longest first: an out-of-memory shows at once
 
 
-async def check_capture(ex: Extractor, items: list[Item], first_local: int, head_cls,
+async def check_capture(ex: Extractor, items: "RowSelection | list[Item]", first_local: int, head_cls,
                         now: bool = True) -> list[Item]:
     """The capture check (``verify_capture``) on the first of ``items``: ``extract.verify_tokens`` tokens and at
     least one sample per server; a server left without one (fewer samples than servers) is checked alone

@@ -11,6 +11,7 @@ waits only when every ring slot is still being written. ``extract.py`` plans the
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .progress import Progress, setup_logging
@@ -25,9 +27,10 @@ from .records import (
     DataDir,
     HsJournalEntry,
     JsonlAppender,
+    RowSelection,
     hs_file_metadata,
     hs_layer_ids,
-    load_hs_journal,
+    load_hs_journal_arrays,
     quantize_hidden_states,
     save_hidden_states,
 )
@@ -54,7 +57,7 @@ class ShardJob:
     writer_threads: int
     max_pending_batches: int
     progress_every_s: float
-    items: list[tuple[int, str, list[int]]]  # (position in input, row id, input_ids)
+    items: RowSelection  # the rows of the shard: positions and lengths; each row's ids read as its batch is formed
     cpu_threads: int = 0  # torch threads for a CPU worker; 0 = torch's default
     trust_remote_code: bool = False  # shared.trust_remote_code, for the verifier's config load
     compile: bool = False  # torch.compile each decoder layer (compile_layers)
@@ -64,17 +67,28 @@ class ShardJob:
 # Batching
 
 
-def make_batches(items: list[tuple[int, str, list[int]]], batch_tokens: int) -> list[list[tuple[int, str, list[int]]]]:
-    """Longest first (an out-of-memory shows at once), each batch at most ``batch_tokens`` padded tokens; a sample
-    longer than that goes alone."""
-    ordered = sorted(items, key=lambda it: (-len(it[2]), it[0]))
-    batches: list[list] = []
-    for it in ordered:
-        if batches and (len(batches[-1]) + 1) * len(batches[-1][0][2]) <= batch_tokens:
-            batches[-1].append(it)
+def batch_plan(lengths: np.ndarray, positions: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Batches as indices into the samples: longest first (an out-of-memory shows at once; ties in input order),
+    each batch at most ``batch_tokens`` padded tokens; a sample longer than that goes alone."""
+    order = np.lexsort((np.asarray(positions), -np.asarray(lengths, dtype=np.int64)))  # [n]
+    sizes, count, longest = [], 0, 0
+    for length in np.asarray(lengths, dtype=np.int64)[order].tolist():
+        if count and (count + 1) * longest <= batch_tokens:
+            count += 1
         else:
-            batches.append([it])
-    return batches
+            if count:
+                sizes.append(count)
+            count, longest = 1, length
+    if count:
+        sizes.append(count)
+    return np.split(order, np.cumsum(sizes)[:-1]) if sizes else []
+
+
+def make_batches(items: list[tuple[int, str, list[int]]], batch_tokens: int) -> list[list[tuple[int, str, list[int]]]]:
+    """``batch_plan`` of a list of (position, row id, input_ids): the batches of items themselves."""
+    plan = batch_plan(np.array([len(it[2]) for it in items], dtype=np.int64),
+                      np.array([it[0] for it in items], dtype=np.int64), batch_tokens)
+    return [[items[k] for k in ks.tolist()] for ks in plan]
 
 
 def pad_batch(batch: list[tuple[int, str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,19 +304,32 @@ def _input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def clean_shard_dir(dd: DataDir, shard: int) -> list[HsJournalEntry]:
+def clean_shard_dir(dd: DataDir, shard: int) -> np.ndarray:
     """Journal of a shard after removing what an interrupted run left: temporary files and files no journal line
-    vouches for (written but killed before the journal line). Returns the journal."""
-    entries = load_hs_journal(dd.hs_shard_journal(shard))
-    kept = {dd.hs_shard_file(shard, e.local_index).name for e in entries if e.local_index >= 0}
+    vouches for (written but killed before the journal line). Returns the journal (records.HS_JOURNAL_DTYPE: 28
+    bytes an entry; the files are listed by name, never opened)."""
+    entries, _ = load_hs_journal_arrays(dd.hs_shard_journal(shard), shard)
+    written = entries["local_index"][entries["local_index"] >= 0]
+    kept = np.zeros(int(written.max()) + 1 if written.size else 0, dtype=bool)  # [max local index + 1]
+    kept[written] = True
     folder = dd.hs_shard(shard)
     if folder.exists():
-        for p in folder.iterdir():
-            # also the lock files an interrupted vLLM backend run leaves (vLLM never deletes them)
-            if (p.name.startswith(".") and ".tmp-" in p.name or (p.suffix == ".safetensors" and p.name not in kept)
-                    or p.suffix == ".lock"):
-                p.unlink()
+        with os.scandir(folder) as listing:
+            for p in listing:
+                name = p.name
+                # also the lock files an interrupted vLLM backend run leaves (vLLM never deletes them)
+                if (name.startswith(".") and ".tmp-" in name or name.endswith(".lock")
+                        or (name.endswith(".safetensors") and not _kept(name, kept))):
+                    os.unlink(p.path)
     return entries
+
+
+def _kept(name: str, kept: np.ndarray) -> bool:
+    """Whether a shard file's name is hs_{k}.safetensors with k journalled as written."""
+    stem = name[len("hs_"):-len(".safetensors")]
+    if not name.startswith("hs_") or not stem.isdigit():
+        return False
+    return int(stem) < len(kept) and bool(kept[int(stem)])
 
 
 def extract_shard(job: ShardJob) -> dict:
@@ -324,15 +351,16 @@ def _extract_shard(job: ShardJob) -> dict:
     dd = DataDir(job.data_dir)
     dd.hs_shard(job.shard).mkdir(parents=True, exist_ok=True)
     entries = clean_shard_dir(dd, job.shard)
-    next_local = max((e.local_index for e in entries), default=-1) + 1
-    batches = make_batches(job.items, job.batch_tokens)
+    next_local = int(entries["local_index"].max()) + 1 if len(entries) else 0
+    lengths = job.items.lengths
+    batches = batch_plan(lengths, job.items.positions, job.batch_tokens)  # indices into job.items
     d2h = None
     if job.device_map or job.device.startswith("cuda"):  # the pinned ring fills while the verifier loads
         fp8 = job.storage_dtype == "fp8"
         itemsize = 1 if fp8 else torch.empty(0, dtype=getattr(torch, job.model_dtype)).element_size()
         hidden = load_text_config(job.verifier, job.trust_remote_code)[0].hidden_size
         num_states = len(job.aux_layer_ids) + 1
-        slot_bytes = max(host_bytes(len(b), len(b[0][2]), num_states, hidden, itemsize, fp8) for b in batches)
+        slot_bytes = max(host_bytes(len(b), int(lengths[b[0]]), num_states, hidden, itemsize, fp8) for b in batches)
         d2h = DeviceToHost(job.max_pending_batches, slot_bytes)
     if job.device_map:
         device_map, device = job.device_map, None
@@ -346,7 +374,7 @@ def _extract_shard(job: ShardJob) -> dict:
         compile_layers(model)
     capture = AuxStateCapture(model, job.aux_layer_ids)
     device = _input_device(model)
-    total_tokens = sum(len(it[2]) for it in job.items)
+    total_tokens = job.items.tokens
     progress = Progress(len(job.items), unit="samples", every_s=job.progress_every_s, desc=f"shard {job.shard}")
     num_layers = len(decoder_layers(model))
     writer = ShardWriter(dd, job.shard, job.storage_dtype, job.writer_threads, job.max_pending_batches, progress,
@@ -357,7 +385,8 @@ def _extract_shard(job: ShardJob) -> dict:
              "; decoder layers compiled (the first batches compile)" if job.compile else "")
     started = time.monotonic()
     try:
-        for batch in batches:
+        for ks in batches:
+            batch = [job.items[k] for k in ks.tolist()]  # the rows' ids, read now
             input_ids, attention_mask = pad_batch(batch)
             input_ids = input_ids.to(device, non_blocking=True)
             attention_mask = attention_mask.to(device, non_blocking=True)

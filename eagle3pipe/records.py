@@ -150,6 +150,12 @@ class DataDir:
     @property
     def hs_finalize_plan(self) -> Path:
         """Which shard file becomes which hs_{i}: written before finalize's first rename (``save_hs_finalize_plan``)."""
+        return self.hs_work / "finalize_plan.safetensors"
+
+    @property
+    def hs_finalize_plan_v1(self) -> Path:
+        """The finalize plan as eagle3pipe wrote it before issue 27 (JSON): read when an interrupted finalize of that
+        version left one, replaced by ``hs_finalize_plan`` at the next save."""
         return self.hs_work / "finalize.json"
 
     # stage 04 online (train.data_source: online): the states of the next rows only. Inside hs_work because the
@@ -817,6 +823,15 @@ class RowIndex:
         for i, d in self.records_at(positions):
             yield TrainingRow.from_json(d, where=f"{self.jsonl_path} row {self.positions_base + i}")
 
+    def __getitem__(self, i: int) -> TrainingRow:
+        """``index[i]``: row i, read now (``row``), as a list of rows would give it."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return self.row(i % len(self))
+
+    def __iter__(self) -> Iterator[TrainingRow]:
+        return self.rows()
+
     def find(self, keys: np.ndarray) -> np.ndarray:
         """int64 [n]: the position of each key's first row, -1 where no row has it."""
         keys = np.asarray(keys, dtype=np.uint64)
@@ -830,6 +845,50 @@ class RowIndex:
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         return self.find(keys) >= 0
+
+
+class RowSelection:
+    """Some rows of a rows index, by position, in an order of their own: what stage 02 sends and 04 online requests.
+    It keeps 12 bytes a row (position, length); ``selection[k]`` reads the k-th row's line when it is taken:
+    (position, id, input_ids), the item stage 02's clients send. Picklable (a spawned worker reopens the index)."""
+
+    def __init__(self, index: RowIndex, positions, lengths: np.ndarray | None = None):
+        self.index = index
+        self.positions = np.asarray(positions, dtype=np.int64)  # [n]
+        self.lengths = (np.asarray(index.lengths[self.positions], dtype=np.uint32) if lengths is None
+                        else lengths)  # [n] tokens of each
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def __getitem__(self, k: int) -> tuple[int, str, list[int]]:
+        position = int(self.positions[k])
+        row = self.index.row(position)
+        return position, row.id, row.input_ids
+
+    def __iter__(self) -> Iterator[tuple[int, str, list[int]]]:
+        for k in range(len(self)):
+            yield self[k]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def take(self, which) -> "RowSelection":
+        """The rows at ``which`` (indices into this selection, or a bool mask), in that order."""
+        return RowSelection(self.index, self.positions[which], self.lengths[which])
+
+    def longest_first(self) -> "RowSelection":
+        """The same rows, longest first, ties in this selection's order (as a stable sort by length would)."""
+        return self.take(np.argsort(-self.lengths.astype(np.int64), kind="stable"))
+
+    def __getstate__(self) -> dict:
+        return {"jsonl_path": str(self.index.jsonl_path), "kind": self.index.kind, "positions": self.positions,
+                "lengths": self.lengths}
+
+    def __setstate__(self, state: dict) -> None:
+        self.index = open_row_index(Path(state["jsonl_path"]), state["kind"])
+        self.positions, self.lengths = state["positions"], state["lengths"]
 
 
 def _empty_records() -> np.ndarray:
@@ -1317,9 +1376,11 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         (HsJournalEntry); finalize renames the files into hidden_states/. The
 #                                         vLLM backend's requests write hs_{k}.attempt-{n}-{tag}.safetensors first
 #                                         (hs_attempt_file), renamed to hs_{k} once checked; others are junk
-#     work/finalize.json                  the finalize plan: which shard file becomes which hs_{i}, written before the
+#     work/finalize_plan.safetensors      the finalize plan: which shard file becomes which hs_{i}, written before the
 #                                         first rename and kept with the output (an interrupted finalize, or a rerun
-#                                         that retries samples left open, puts every file back by it first)
+#                                         that retries samples left open, puts every file back by it first): "files"
+#                                         int64 [N, 3] (input position, shard, local index of hs_0 .. hs_{N-1}),
+#                                         24 bytes a sample (work/finalize.json: the same as JSON, before issue 27)
 
 HS_FORMAT_VERSION = 2  # of hidden_states/ (manifest.json's format_version). 2: every sample file carries
 # hs_file_metadata (layer ids, verifier depth, finite flag), which 02 and 04 check; 1: written before that
@@ -1608,9 +1669,40 @@ def load_hs_journal(path: Path) -> list[HsJournalEntry]:
     return [HsJournalEntry.from_json(d) for d in read_jsonl(path)]
 
 
+HS_JOURNAL_DTYPE = np.dtype([("position", "<i8"), ("shard", "<i4"), ("local_index", "<i4"), ("num_tokens", "<u4"),
+                             ("bytes", "<i8")])  # packed: 28 bytes an entry
+
+
+def load_hs_journal_arrays(path: Path, shard: int) -> tuple[np.ndarray, dict[int, tuple[str, str]]]:
+    """A shard's journal as stage 02's resume and finalize keep it at 10^6 samples: an HS_JOURNAL_DTYPE array in
+    journal order (28 bytes an entry, no HsJournalEntry per sample), and the (id, reason) of each dropped entry
+    (local_index -1; few) by position, the first of a position kept. A torn last line is repaired first."""
+    path = Path(path)
+    if not path.exists():
+        return np.empty(0, dtype=HS_JOURNAL_DTYPE), {}
+    repair_jsonl(path)
+    with open(path, "rb") as f:  # lines, counted first: the array is allocated once, at its size
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    out = np.empty(lines, dtype=HS_JOURNAL_DTYPE)
+    out["shard"] = shard
+    dropped: dict[int, tuple[str, str]] = {}
+    n = 0
+    for i, d in enumerate(read_jsonl(path), 1):
+        try:
+            position, local_index = int(d["position"]), int(d["local_index"])
+            out[n] = (position, shard, local_index, int(d["num_tokens"]), int(d["bytes"]))
+            if local_index < 0:
+                dropped.setdefault(position, (str(d["id"]), str(d.get("reason", ""))))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise FormatError(f"{path}:{i}: not a journal entry (HsJournalEntry: {e})") from None
+        n += 1
+    return out[:n], dropped
+
+
 def forget_hs_journal_entries(path: Path, positions: set[int]) -> None:
     """Rewrite a shard's journal (atomically) without the entries of ``positions``: the next run redoes them."""
-    kept = [e.to_json() for e in load_hs_journal(path) if e.position not in positions]
+    repair_jsonl(Path(path))
+    kept = (d for d in read_jsonl(Path(path)) if d["position"] not in positions)  # streamed: 10^6 entries
     write_jsonl_atomic(Path(path), kept)
 
 
@@ -1664,21 +1756,33 @@ def load_hs_manifest(path: Path, any_version: bool = False) -> HiddenStatesManif
     return manifest
 
 
-def save_hs_finalize_plan(path: Path, files: list[tuple[int, int, int]]) -> None:
+def save_hs_finalize_plan(path: Path, files) -> None:
     """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
-    hs_{i}. Written atomically before the first rename, so a rerun knows where each file went."""
-    atomic_write_bytes(path, json.dumps({"format_version": HS_FORMAT_VERSION, "files": [list(f) for f in files]},
-                                        separators=(",", ":")).encode())
+    hs_{i} (int64 [N, 3], or a list of triples). Written atomically before the first rename, so a rerun knows where
+    each file went; 24 bytes a sample on disk and in memory (safetensors)."""
+    from safetensors.numpy import save
+
+    files = np.asarray(files, dtype=np.int64).reshape(-1, 3)
+    atomic_write_bytes(path, save({"files": np.ascontiguousarray(files)},
+                                  metadata={"format_version": str(HS_FORMAT_VERSION)}))
 
 
-def load_hs_finalize_plan(path: Path) -> list[tuple[int, int, int]] | None:
-    """The plan ``save_hs_finalize_plan`` wrote (None: there is none)."""
+def load_hs_finalize_plan(path: Path) -> np.ndarray | None:
+    """The plan ``save_hs_finalize_plan`` wrote, int64 [N, 3] (None: there is none). A ``.json`` path is read as
+    the plan of an eagle3pipe before issue 27 (``DataDir.hs_finalize_plan_v1``)."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return [(int(p), int(s), int(k)) for p, s, k in json.loads(path.read_text())["files"]]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        if path.suffix == ".json":
+            files = json.loads(path.read_text())["files"]
+            return np.asarray(files, dtype=np.int64).reshape(-1, 3)
+        from safetensors.numpy import load
+
+        return np.asarray(load(path.read_bytes())["files"], dtype=np.int64).reshape(-1, 3)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as e:
+        raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
+    except Exception as e:  # safetensors' own error type
         raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
 
 
@@ -1687,33 +1791,55 @@ def check_hs_manifest(manifest: HiddenStatesManifest, **expected) -> list[str]:
     return [f"{k}: got {getattr(manifest, k)!r}, want {v!r}" for k, v in expected.items() if getattr(manifest, k) != v]
 
 
-def save_hs_rows(dataset_dir: Path, rows: list[tuple[list[int], list[int]]]) -> None:
+HS_ROWS_WRITE_BATCH = 1024  # rows per Arrow record batch save_hs_rows writes (its memory whatever the row count)
+
+
+def save_hs_rows(dataset_dir: Path, rows) -> None:
     """Write the speculators rows dataset (input_ids, loss_mask, seq_len; row i <-> hs_{i}) into ``dataset_dir``.
+    ``rows``: (input_ids, loss_mask) pairs, any iterable: streamed into an Arrow file HS_ROWS_WRITE_BATCH rows at a
+    time (a generator that reads each row when it is needed keeps the memory flat at 10^6 rows), the schema that
+    ``Dataset.from_dict`` gives these columns (input_ids int32, as datasets stores a column of that name).
 
     ``save_to_disk`` writes in place, so it goes to a temporary folder first and its files are renamed in, the
     Arrow shards before state.json: a crash leaves either the old dataset or the new one readable."""
     import shutil
 
-    from datasets import Dataset
+    from datasets import Dataset, Features, Sequence, Value
+    from datasets.arrow_writer import ArrowWriter
 
     dataset_dir = Path(dataset_dir)
-    ds = Dataset.from_dict(
-        {
-            "input_ids": [list(map(int, ids)) for ids, _ in rows],
-            "loss_mask": [list(map(int, mask)) for _, mask in rows],
-            "seq_len": [len(ids) for ids, _ in rows],
-        }
-    )
-    ds.set_format(type="torch")  # what speculators' preprocessing leaves; its loader compares torch tensors
+    features = Features({"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int64")),
+                         "seq_len": Value("int64")})
     tmp = dataset_dir / f".rows.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
+    tmp.mkdir(parents=True)
+    staging = tmp / "rows.arrow"  # streamed here, then saved as save_to_disk lays a dataset out (a copy)
+    out = tmp / "dataset"
+    writer = ArrowWriter(features=features, path=str(staging), writer_batch_size=HS_ROWS_WRITE_BATCH)
+    try:
+        batch: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        for ids, mask in rows:
+            batch["input_ids"].append(list(map(int, ids)))
+            batch["loss_mask"].append(list(map(int, mask)))
+            batch["seq_len"].append(len(ids))
+            if len(batch["seq_len"]) >= HS_ROWS_WRITE_BATCH:
+                writer.write_batch(batch)
+                batch = {k: [] for k in batch}
+        if batch["seq_len"]:
+            writer.write_batch(batch)
+        writer.finalize()
+    finally:
+        writer.close()
+    ds = Dataset.from_file(str(staging))
+    ds.set_format(type="torch")  # what speculators' preprocessing leaves; its loader compares torch tensors
+    ds.save_to_disk(str(out))
+    del ds
     for old in dataset_dir.glob("data-*.arrow"):
         old.unlink()
-    names = sorted(p.name for p in tmp.iterdir())
+    names = sorted(p.name for p in out.iterdir())
     for name in sorted(names, key=lambda n: n == "state.json"):
-        os.replace(tmp / name, dataset_dir / name)
-    tmp.rmdir()
+        os.replace(out / name, dataset_dir / name)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_hs_rows(dataset_dir: Path):

@@ -424,17 +424,20 @@ def check_states_match(manifest, cfg: PipelineConfig) -> None:
                              "this one and --overwrite)")
 
 
-def check_lengths_fit(lengths: list[int], cfg: PipelineConfig) -> None:
+def check_lengths_fit(lengths, cfg: PipelineConfig) -> None:
     """Refuse samples longer than a packed row: speculators 0.9's sampler clips such a sample's length to
     ``total_seq_len`` and its collate copies only the first ``total_seq_len`` tokens, so the rest (extracted and
     stored) would never be trained, without an error."""
     limit = cfg.train.total_seq_len
-    long = [n for n in lengths if n > limit]
-    if long:
-        raise StageError(f"{len(long)} of {len(lengths)} samples in {DataDir(cfg.data_dir).hidden_states} are longer "
-                         f"than train.total_seq_len {limit} (longest {max(long)}): training would cut them and never "
-                         f"see {sum(long) - limit * len(long)} of their tokens. Raise --total-seq-len to at least "
-                         f"{max(long)}, or rebuild the rows with shared.max_seq_len <= {limit}")
+    import numpy as np
+
+    lengths = np.asarray(lengths, dtype=np.int64)  # [n]
+    long = lengths[lengths > limit]
+    if long.size:
+        raise StageError(f"{long.size} of {len(lengths)} samples in {DataDir(cfg.data_dir).hidden_states} are longer "
+                         f"than train.total_seq_len {limit} (longest {long.max()}): training would cut them and never "
+                         f"see {int(long.sum()) - limit * long.size} of their tokens. Raise --total-seq-len to at "
+                         f"least {long.max()}, or rebuild the rows with shared.max_seq_len <= {limit}")
 
 
 def train_dtype(device: torch.device) -> torch.dtype:

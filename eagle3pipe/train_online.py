@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from .cli import StageError, errors_allowed
@@ -60,6 +61,7 @@ from .records import (
     DroppedRow,
     HiddenStatesManifest,
     JsonlAppender,
+    RowSelection,
     hs_bytes_estimate,
     read_jsonl,
     repair_jsonl,
@@ -84,7 +86,7 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
     return HiddenStatesManifest(
         verifier=identity["verifier"], num_layers=num_layers, aux_layer_ids=list(s.aux_layer_ids),
         hidden_size=s.hidden_size, model_dtype=cfg.extract.model_dtype, storage_dtype=cfg.extract.storage_dtype,
-        num_samples=len(rows), num_tokens=sum(len(r.input_ids) for r in rows), num_dropped=0, bytes=0,
+        num_samples=len(rows), num_tokens=int(rows.lengths.sum(dtype=np.int64)), num_dropped=0, bytes=0,
         input=str(src), config_hash=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
         states=state_names(list(s.aux_layer_ids), num_layers))
 
@@ -105,13 +107,13 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
         raise StageError(f"{cfg.shared.verifier}: hidden size {text.hidden_size}, shared.hidden_size is "
                          f"{cfg.shared.hidden_size}: fix --hidden-size")
     manifest = online_manifest(cfg, src, rows, text.num_hidden_layers)
-    check_lengths_fit([len(r.input_ids) for r in rows], cfg)
+    check_lengths_fit(rows.lengths, cfg)
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank() == 0:  # one copy for every rank
         dd.train_spool_rows.mkdir(parents=True, exist_ok=True)
-        save_hs_rows(dd.train_spool_rows, [(r.input_ids, r.loss_mask) for r in rows])
+        save_hs_rows(dd.train_spool_rows, ((r.input_ids, r.loss_mask) for r in rows))  # streamed from the index
     if distributed:
         dist.barrier()
     train_ratio = held_out_split(len(rows), cfg.train.eval_fraction)
@@ -632,7 +634,7 @@ class OnlineBatches:
             async with Extractor(cfg, self.dd, 0, urls, self.manifest.num_layers, cfg.shared.hidden_size, self.progress,
                                  journal, out_dir=check_dir) as ex:
                 model, max_model_len = await ex.server_info()
-                items = [(i, r.id, r.input_ids) for i, r in enumerate(self.dataset.online_rows)]
+                items = RowSelection(self.dataset.online_rows, np.arange(len(self.dataset.online_rows)))
                 refuse_rows_too_long(items, max_model_len, urls)
                 if ex_cfg.verify_tokens:  # rank 0: every server before the first step; each rank: every server
                     await check_capture(ex, items, 0, OutputHead, now=self.ranks.main)  # its pool takes back
@@ -699,7 +701,8 @@ class OnlineBatches:
         async def extract(i: int, path: Path) -> bool:
             """Sample i's states into ``path`` through stage 02's request; False (listed in slot.failed) if none."""
             async with gate:
-                outcome = await ex.one((i, rows[i].id, rows[i].input_ids), i, path=path)
+                row = rows[i]  # its ids read now, as the request goes
+                outcome = await ex.one((i, row.id, row.input_ids), i, path=path)
             if outcome.entry is None:
                 slot.failed[i] = (f"{outcome.failure.kind}: {outcome.failure.message}", True)
             elif outcome.entry.local_index < 0:

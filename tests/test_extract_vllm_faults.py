@@ -372,7 +372,7 @@ def test_a_late_write_of_an_aborted_attempt_never_replaces_the_checked_file(tmp_
     _assert_each_file_holds_its_row(tmp_path, rows)
     assert sorted(p.name for p in dd.hs_files.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(len(rows)))
     left = [p for p in dd.hs_work.rglob("*") if p.is_file() and p.name not in ("done.jsonl", "run.json",
-                                                                                "finalize.json")]
+                                                                                dd.hs_finalize_plan.name)]
     assert left == [], left
 
 
@@ -555,3 +555,72 @@ def test_a_server_back_with_another_model_or_a_shorter_context_gets_no_sample(tm
     last = err.strip().splitlines()[-1]
     assert code == 2 and "samples are not extracted after 3 attempts" in last and why in last, last
     assert load_hs_manifest(DataDir(tmp_path).hs_manifest) is None and len(rows) == 16
+
+
+# -- issue 27: stage 02 at 10^6 rows keeps an index, not the rows ----------------------------------------------------
+
+
+class FirstRequest(Exception):
+    """Raised where stage 02 would send its first request (what the memory test measures up to)."""
+
+
+def _journalled(data_dir: Path, rows: list[dict], done: int) -> None:
+    """A shard as a run killed after ``done`` samples leaves it: their journal lines and (empty) files; the row index
+    built (as stage 01 leaves it)."""
+    from eagle3pipe.records import HsJournalEntry, open_row_index, write_jsonl_atomic
+
+    dd = DataDir(data_dir)
+    open_row_index(dd.prepared_data, "rows").close()
+    dd.hs_shard(0).mkdir(parents=True)
+    write_jsonl_atomic(dd.hs_shard_journal(0), [HsJournalEntry(i, r["id"], i, len(r["input_ids"]), 0).to_json()
+                                                for i, r in enumerate(rows[:done])])
+    for i in range(done):
+        dd.hs_shard_file(0, i).touch()
+
+
+def test_stage_02_holds_tens_of_bytes_a_row_to_its_first_request_and_through_finalize(tmp_path, toy_llama,
+                                                                                       monkeypatch):
+    """Issue 27: stage 02 reads the rows through their index (positions and lengths; a row's ids read as it is
+    sent) and keeps the journals and the finalize plan as arrays. Measured with tracemalloc at two row counts (rows of
+    4-8 tokens): the resume of a run killed at 90 % up to its first request, and the finalize of a finished one
+    (every file renamed, the rows dataset written, the manifest), each under 80 bytes a row. The code before held
+    every row as a TrainingRow, every journal entry as an HsJournalEntry and the plan as tuples."""
+    from memory_bound import bytes_per_row
+
+    from eagle3pipe.extract_vllm import Extractor
+
+    async def first_request(self, idx, ids, path, prompt_logprobs):
+        raise FirstRequest
+
+    monkeypatch.setattr(Extractor, "_request", first_request)
+    stub = StubExtractionServer()
+    made = iter(range(10**6))
+
+    def setup(n: int, share: float):
+        folder = tmp_path / f"run{next(made)}"
+        rows = write_rows(folder, n, seed=3, min_len=4, max_len=8)
+        _journalled(folder, rows, int(n * share))
+        cfg = _cfg(folder, toy_llama, stub.url)
+
+        def resume():
+            with pytest.raises(FirstRequest):
+                run_extract(cfg)
+
+        return resume if share < 1 else (lambda: run_extract(cfg))
+
+    try:
+        to_first_request = bytes_per_row(lambda n: setup(n, 0.9), 4000, 16000)
+        through_finalize = bytes_per_row(lambda n: setup(n, 1.0), 4000, 16000)
+    finally:
+        stub.close()
+    print(f"\nstage 02 allocates {to_first_request:.1f} bytes a row up to its first request (resumed at 90 %), "
+          f"{through_finalize:.1f} through finalize")
+    assert to_first_request < 80 and through_finalize < 80
+    dd = DataDir(tmp_path / "run5")  # the last finalize (runs 0-2: warm-up, small, large resumes; 3-5 finalizes): every file in place, the rows dataset pairs them
+    rows = list(read_jsonl(dd.prepared_data))
+    assert load_hs_manifest(dd.hs_manifest).num_samples == len(rows) == 16000
+    from eagle3pipe.records import load_hs_rows
+
+    ds = load_hs_rows(dd.hidden_states)
+    assert [ds[i]["input_ids"].tolist() for i in (0, 7777, 15999)] == [rows[i]["input_ids"] for i in (0, 7777, 15999)]
+    assert all(dd.hs_file(i).exists() for i in (0, 15999)) and not dd.hs_file(16000).exists()
