@@ -150,7 +150,7 @@ class DataDir:
     @property
     def hs_finalize_plan(self) -> Path:
         """Which shard file becomes which hs_{i}: written before finalize's first rename (``save_hs_finalize_plan``)."""
-        return self.hs_work / "finalize_plan.safetensors"
+        return self.hs_work / "finalize_plan.npy"
 
     @property
     def hs_finalize_plan_v1(self) -> Path:
@@ -1376,11 +1376,12 @@ def check_synthetic_finished(dd: DataDir) -> None:
 #                                         (HsJournalEntry); finalize renames the files into hidden_states/. The
 #                                         vLLM backend's requests write hs_{k}.attempt-{n}-{tag}.safetensors first
 #                                         (hs_attempt_file), renamed to hs_{k} once checked; others are junk
-#     work/finalize_plan.safetensors      the finalize plan: which shard file becomes which hs_{i}, written before the
+#     work/finalize_plan.npy              the finalize plan: which shard file becomes which hs_{i}, written before the
 #                                         first rename and kept with the output (an interrupted finalize, or a rerun
-#                                         that retries samples left open, puts every file back by it first): "files"
-#                                         int64 [N, 3] (input position, shard, local index of hs_0 .. hs_{N-1}),
-#                                         24 bytes a sample (work/finalize.json: the same as JSON, before issue 27)
+#                                         that retries samples left open, puts every file back by it first): int64
+#                                         [N, 3] (input position, shard, local index of hs_0 .. hs_{N-1}), 24 bytes a
+#                                         sample, numpy's .npy (no pickle; not .safetensors, which would read as a
+#                                         sample file in work/). work/finalize.json: the same as JSON, before issue 27
 
 HS_FORMAT_VERSION = 2  # of hidden_states/ (manifest.json's format_version). 2: every sample file carries
 # hs_file_metadata (layer ids, verifier depth, finite flag), which 02 and 04 check; 1: written before that
@@ -1759,12 +1760,18 @@ def load_hs_manifest(path: Path, any_version: bool = False) -> HiddenStatesManif
 def save_hs_finalize_plan(path: Path, files) -> None:
     """Stage 02's finalize plan: ``files[i]`` = (input position, shard, local index) of the shard file that becomes
     hs_{i} (int64 [N, 3], or a list of triples). Written atomically before the first rename, so a rerun knows where
-    each file went; 24 bytes a sample on disk and in memory (safetensors)."""
-    from safetensors.numpy import save
-
-    files = np.asarray(files, dtype=np.int64).reshape(-1, 3)
-    atomic_write_bytes(path, save({"files": np.ascontiguousarray(files)},
-                                  metadata={"format_version": str(HS_FORMAT_VERSION)}))
+    each file went; 24 bytes a sample on disk and in memory (.npy, no pickle)."""
+    files = np.ascontiguousarray(np.asarray(files, dtype=np.int64).reshape(-1, 3))
+    tmp = tmp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, files, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_hs_finalize_plan(path: Path) -> np.ndarray | None:
@@ -1775,14 +1782,13 @@ def load_hs_finalize_plan(path: Path) -> np.ndarray | None:
         return None
     try:
         if path.suffix == ".json":
-            files = json.loads(path.read_text())["files"]
-            return np.asarray(files, dtype=np.int64).reshape(-1, 3)
-        from safetensors.numpy import load
-
-        return np.asarray(load(path.read_bytes())["files"], dtype=np.int64).reshape(-1, 3)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as e:
-        raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
-    except Exception as e:  # safetensors' own error type
+            files = np.asarray(json.loads(path.read_text())["files"], dtype=np.int64)
+        else:
+            files = np.load(path, allow_pickle=False)
+        if files.size and (files.dtype != np.int64 or files.ndim != 2 or files.shape[1] != 3):
+            raise ValueError(f"an array of {files.dtype} {list(files.shape)}, not int64 [N, 3]")
+        return files.reshape(-1, 3)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError, EOFError) as e:
         raise FormatError(f"{path}: not a finalize plan ({e}); rerun stage 02 with --overwrite") from None
 
 

@@ -319,6 +319,35 @@ def test_an_interrupted_finalize_with_a_sample_left_open_pairs_every_file_with_i
     assert not list(dd.hs_shard(0).glob("*.safetensors")) and not list(dd.hs_shard(1).glob("*.safetensors"))
 
 
+def test_a_finalize_plan_left_as_json_by_the_code_before_issue_27_is_followed(tmp_path, toy_llama, capsys,
+                                                                              monkeypatch):
+    """Issue 27 moved the finalize plan from work/finalize.json (a JSON list) to an int64 array (finalize_plan.npy).
+    A finalize of the code before, interrupted after 5 renames with row 2 left open, left its plan as JSON: the rerun
+    reads it, puts the 5 files back by it and renumbers, so every hs_i holds row i (renumbering without it would
+    mis-pair them, as in the issue 26 test above); the JSON plan is replaced by the array."""
+    import numpy as np
+
+    rows = write_rows(tmp_path, 10, seed=5, min_len=4, max_len=20)
+    stub = StubExtractionServer()
+    stub.no_file = {_ids(rows[2])}
+    dd = DataDir(tmp_path)
+    try:
+        renamed = _interrupt_finalize_after(monkeypatch, dd, 5)
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+        monkeypatch.undo()
+        assert code == 128 + signal.SIGTERM and len(renamed) == 5, err
+        plan = np.load(dd.hs_finalize_plan).tolist()
+        dd.hs_finalize_plan.unlink()
+        dd.hs_finalize_plan_v1.write_text(json.dumps({"format_version": 2, "files": plan}))  # as the code before
+        stub.heal()
+        code, err = _door(tmp_path, toy_llama, stub.url, capsys, "--max-error-share", "0.1")
+    finally:
+        stub.close()
+    assert code == 0, err
+    _assert_each_file_holds_its_row(tmp_path, rows)
+    assert dd.hs_finalize_plan.exists() and not dd.hs_finalize_plan_v1.exists()
+
+
 @pytest.mark.parametrize("left", ["interrupted", "finished"])
 def test_an_output_of_the_code_before_the_finalize_plan(tmp_path, toy_llama, capsys, monkeypatch, left):
     """An output with no finalize plan (work/finalize.json), as the code before issue 26 left one, row 2 open: when

@@ -1061,3 +1061,38 @@ def test_dflash_online_trains_and_evaluates_as_offline(dflash_runs):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["eal"] == pytest.approx(a["eal"], abs=1e-5)
     assert json.loads((DataDir(online).final_checkpoint / "config.json").read_text())["speculators_model_type"] == \
         "dflash"
+
+
+# -- issue 27: 04 online's start-up keeps the rows' index, not the rows ---------------------------------------------
+
+
+def test_online_start_up_holds_tens_of_bytes_a_row(tmp_path, toy_llama):
+    """Issue 27: 04 online's data set-up (``build_online_data``: the input rows, their lengths checked, the rows
+    dataset written for speculators' reader, its datasets opened) reads the rows through their index and streams
+    them into the rows dataset. tracemalloc at two row counts (rows of 4-8 tokens): under 64 bytes a row, speculators'
+    own per-sample lengths included. The code before held every row as a TrainingRow and built the rows dataset from
+    Python lists of every token (measured on the issue's CLI run: 96 KB a row at 150 k rows of ~350 tokens)."""
+    from memory_bound import bytes_per_row
+
+    from eagle3pipe.records import open_row_index
+    from eagle3pipe.train_online import build_online_data
+
+    made = iter(range(10**6))
+
+    def setup(n: int):
+        d = tmp_path / f"run{next(made)}"
+        write_rows(d, n, seed=7, min_len=4, max_len=8)
+        open_row_index(DataDir(d).prepared_data, "rows").close()  # as stage 01 leaves it
+        cfg = make_cfg(d, toy_llama, ["http://127.0.0.1:9"], data_source="online", eval_fraction=0.1)
+        return lambda: build_online_data(cfg, torch.device("cpu"))
+
+    per_row = bytes_per_row(setup, 4000, 16000)
+    print(f"\n04 online's start-up allocates {per_row:.1f} bytes a row")
+    assert per_row < 64
+    train_ds, val_ds, manifest = build_online_data(make_cfg(tmp_path / "run2", toy_llama, ["http://127.0.0.1:9"],
+                                                            data_source="online", eval_fraction=0.1),
+                                                   torch.device("cpu"))
+    rows = list(read_jsonl(DataDir(tmp_path / "run2").prepared_data))
+    assert manifest.num_samples == len(train_ds) + len(val_ds) == 16000
+    assert manifest.num_tokens == sum(len(r["input_ids"]) for r in rows)
+    assert train_ds.online_rows[12345].input_ids == rows[12345]["input_ids"]
