@@ -8,8 +8,7 @@ and its steady state in seconds per 10^5 rows. From those it projects RAM and st
 6 * 10^9 tokens (``--tokens-per-row``, 10^4 by default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k
 samples).
 
-Stages (``STAGES``; stage 02 and 04 offline / online are to be added as entries, up to their first requests and
-then a bounded run):
+Stages (``STAGES``; 04 offline, and 02's and 04 online's steady state past the first request, are still to be added):
 
 - ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default).
   First unit: the first row rendered and written; steady: the rows after it.
@@ -17,9 +16,17 @@ then a bounded run):
   N / 10, at least 1000, at most 20000), a fast local stub (an aiohttp server in its own process) stands in for vLLM
   and answers the W at once. First unit: the first request the stub receives; steady: the W requests.
 - ``03``: N rows of 8-16 tokens -> run_vocab. First unit: the first row counted; steady: the rows after it.
+- ``02``: N rows of 8-16 tokens, of which 90 % are journalled as extracted by a run that stopped (a resume at 90 %;
+  journal lines only, no files: nothing before the first request opens one) -> run_extract, vLLM backend, the stub
+  answering /v1/models. First unit: the first request (``Extractor._request``, where it is caught and the stage
+  stopped; the capture check's, as the stage sends it first). No steady state.
+- ``04on``: N rows of 8-16 tokens -> run_vocab (stage 03's output, in the child: its growth is 03's, flat), then
+  run_train with train.data_source online (2 epochs, the
+  stub answering /v1/models). First unit: the first request (the capture check's, rank 0, sent by the online
+  source's thread once the data, the model and every epoch's plan are set up), caught there. No steady state.
 
 Usage:
-    .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 --json out.json
+    .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04on --json out.json
     .venv/bin/python bench/bench_scale.py --repo /path/to/another/checkout ...   # another version, same inputs
 """
 
@@ -91,6 +98,37 @@ def make_rows(folder: Path, n: int) -> None:
             out.write({"id": f"{i:016x}", "input_ids": [(i * 7 + k * 13) % 1000 for k in range(length)],
                        "loss_mask": [0] * 3 + [1] * (length - 3), "source": "bench"})
         out.commit()
+
+
+def make_02_resume(folder: Path, n: int) -> None:
+    """make_rows, and a stage-02 run stopped with 90 % of them journalled (run.json of this config, the journal of
+    shard 0; no files: a resume opens none before its first request)."""
+    make_rows(folder, n)
+    from eagle3pipe.records import DataDir, HsJournalEntry, JsonlAppender
+
+    dd = DataDir(folder)
+    dd.hs_shard(0).mkdir(parents=True)
+    with JsonlAppender(dd.hs_shard_journal(0)) as journal:
+        for i in range(int(n * 0.9)):
+            journal.write(HsJournalEntry(i, f"{i:016x}", i, 8 + i % 9, 1000).to_json())
+
+
+class FirstRequest(Exception):
+    """Raised where a stage sends its first request to vLLM: the bench stops the stage there."""
+
+
+def _first_request_clock() -> dict:
+    """Time the first request stage 02's client sends (Extractor._request), and stop the stage there."""
+    from eagle3pipe import extract_vllm
+
+    clock: dict = {}
+
+    async def first(self, *args, **kwargs):
+        clock.setdefault("first", time.monotonic())
+        raise FirstRequest
+
+    extract_vllm.Extractor._request = first
+    return clock
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,6 +212,41 @@ def run_03(toy: Path, work: Path, n: int, args) -> dict:
             "steady_s": clock["last"] - clock["first"]}
 
 
+def run_02(toy: Path, work: Path, n: int, args) -> dict:
+    from eagle3pipe.extract import run_extract
+
+    cfg = _config(toy, work / "run", extract={"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
+                                              "model_dtype": "bfloat16"})
+    clock = _first_request_clock()
+    start = time.monotonic()
+    try:
+        run_extract(cfg)
+    except FirstRequest:
+        pass
+    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+
+
+def run_04on(toy: Path, work: Path, n: int, args) -> dict:
+    from eagle3pipe.train import run_train
+    from eagle3pipe.vocab import run_vocab
+
+    sections = {"extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
+                            "model_dtype": "bfloat16"},
+                "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": 256,
+                          "num_workers": 0, "eval_fraction": 0.0, "spool_gb": 0.5}}
+    run_vocab(_config(toy, work / "run", **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
+    cfg = _config(toy, work / "run", **sections)
+    clock = _first_request_clock()
+    start = time.monotonic()
+    try:
+        run_train(cfg)
+    except Exception as e:  # the FirstRequest, handed from the online source's thread to the training loop
+        if "first" not in clock:
+            raise
+        del e
+    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+
+
 @dataclasses.dataclass
 class Stage:
     make: Callable[[Path, int], None]  # inputs for n rows into a folder (parent, once per size)
@@ -187,6 +260,11 @@ STAGES = {
     "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",)),
     "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",)),
     "03": Stage(make_rows, "run", run_03, "rows", ("eagle3pipe.vocab", "speculators.train.vocab_mapping")),
+    "02": Stage(make_02_resume, "run", run_02, "requests", ("eagle3pipe.extract", "eagle3pipe.extract_vllm",
+                                                             "datasets")),
+    "04on": Stage(make_rows, "run", run_04on, "requests", ("eagle3pipe.train", "eagle3pipe.train_online",
+                                                                "eagle3pipe.vocab", "eagle3pipe.extract_vllm",
+                                                                "speculators.train.vocab_mapping", "datasets")),
 }
 
 
@@ -279,7 +357,8 @@ def stub_server(port_file: str) -> None:
         return web.Response(text=body, content_type="application/json")
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model",
+                                                              "max_model_len": 1 << 20}]})
 
     async def get_stats(request):
         return web.json_response(stats)
@@ -379,7 +458,7 @@ def main() -> None:
     stub = None
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    if "01b" in args.stages:
+    if {"01b", "02", "04on"} & set(args.stages):
         port_file = work / "stub.port"
         port_file.unlink(missing_ok=True)
         stub = subprocess.Popen([sys.executable, __file__, "--stub", str(port_file)], env=env)
