@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .cli import StageError, errors_allowed
@@ -429,8 +430,6 @@ def check_lengths_fit(lengths, cfg: PipelineConfig) -> None:
     ``total_seq_len`` and its collate copies only the first ``total_seq_len`` tokens, so the rest (extracted and
     stored) would never be trained, without an error."""
     limit = cfg.train.total_seq_len
-    import numpy as np
-
     lengths = np.asarray(lengths, dtype=np.int64)  # [n]
     long = lengths[lengths > limit]
     if long.size:
@@ -468,13 +467,59 @@ def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: tor
                       worker_init_fn=_worker_init if workers else None)
 
 
-def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> list:
+class PackedRows:
+    """One epoch's packed rows as two arrays (issue 27): ``samples`` int64 [S], the dataset indices row after row,
+    and ``starts`` int64 [R + 1], where each row begins in it. ``rows[i]`` is row i's list of sample indices, made
+    when it is asked for; ``len``, iteration and slices (lists) as the list of lists it stands for. 8 bytes a sample
+    and a row instead of a Python list of ints per row (~40 bytes a sample), for every epoch of the run's plan."""
+
+    def __init__(self, samples: np.ndarray, starts: np.ndarray):
+        self.samples, self.starts = samples, starts
+
+    @classmethod
+    def from_rows(cls, rows) -> "PackedRows":
+        """From a sequence of index arrays or lists (one per row)."""
+        sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        samples = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if len(rows) else starts[:0]
+        return cls(samples, starts)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"packed row {i} of {len(self)}")
+        return self.samples[self.starts[i]:self.starts[i + 1]].tolist()
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def take(self, positions) -> "PackedRows":
+        """The rows at ``positions``, in that order."""
+        positions = np.asarray(positions, dtype=np.int64)
+        sizes = self.starts[positions + 1] - self.starts[positions]  # [k]
+        starts = np.zeros(len(positions) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        picks = np.repeat(self.starts[positions] - starts[:-1], sizes) + np.arange(int(starts[-1]))  # [k samples]
+        return PackedRows(self.samples[picks], starts)
+
+
+def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> PackedRows:
     """speculators' packing of whole samples into rows of ``total_seq_len`` tokens, shuffled by seed + epoch."""
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
                                                  num_replicas=1, rank=0, seed=seed)
-    return [b.tolist() for b in sampler._generate_batches(epoch)]  # noqa: SLF001 (its public iterator hides epoch)
+    # its public iterator hides epoch; kept as arrays: every epoch's rows are planned at the start
+    return PackedRows.from_rows(sampler._generate_batches(epoch))  # noqa: SLF001
 
 
 @dataclass
@@ -483,7 +528,7 @@ class EpochPlan:
 
     epoch: int
     plan: list[tuple[int, bool]]  # rank_rows of the epoch, cut where train.max_steps ends the run
-    rows: list[list[int]]  # the packed rows of ``plan``, one per micro-step
+    rows: "PackedRows | list[list[int]]"  # the packed rows of ``plan``, one per micro-step
     eval_steps: list[int]  # the run's step counts after which the held-out rows are evaluated (``eval_due``)
     first_step: int  # optimizer steps done (the run's count) when the epoch's first step begins
 
@@ -515,7 +560,9 @@ def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: i
         start = state.batches_done if e == state.epoch else 0
         evals = [step + i for i in range(1, steps + 1)
                  if eval_due(step + i, start + i == epoch_steps, last, eval_every)]
-        out.append(EpochPlan(e, plan, [rows[i] for i, _ in plan], evals, step))
+        picked = [i for i, _ in plan]
+        out.append(EpochPlan(e, plan, rows.take(picked) if isinstance(rows, PackedRows) else [rows[i] for i in picked],
+                             evals, step))
         if cut:
             break
         step += steps
