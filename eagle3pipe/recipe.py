@@ -126,8 +126,8 @@ def two_node(config_path: str, nodes: tuple[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Print the exact per-node commands of a multi-node run for a config "
-                                            "(also: run_all.sh --print-recipe two-node).")
+    p = argparse.ArgumentParser(description="Print the exact per-node commands of a multi-node run for a config, "
+                                            "as run_all.sh's print-recipe option does.")
     p.add_argument("recipe", choices=RECIPES, help="which recipe")
     p.add_argument("--config", required=True, help="the run's YAML config")
     p.add_argument("--nodes", default="node0,node1",

@@ -99,14 +99,17 @@ def module_help(name: str) -> str:
     """``python -m eagle3pipe.<name> --help`` as printed, run in this process."""
     mod = importlib.import_module(f"eagle3pipe.{name}")
     out = io.StringIO()
-    with _help_columns(), contextlib.redirect_stdout(out):
-        try:
-            mod.main(["--help"])
-        except SystemExit:
-            pass
-    text = out.getvalue()
-    # argparse names the program after argv[0]: show the command a user types
-    return re.sub(r"^usage: \S+", f"usage: python -m eagle3pipe.{name}", text, count=1).rstrip() + "\n"
+    argv0 = sys.argv[0]
+    sys.argv[0] = f"python -m eagle3pipe.{name}"  # argparse names the program (and wraps usage) after argv[0]
+    try:
+        with _help_columns(), contextlib.redirect_stdout(out):
+            try:
+                mod.main(["--help"])
+            except SystemExit:
+                pass
+    finally:
+        sys.argv[0] = argv0
+    return out.getvalue().rstrip() + "\n"
 
 
 def shell_usage(path: str) -> str:
