@@ -66,7 +66,8 @@ def _flag_cell(name: str, typ) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """A description as a table cell: a pipe would end the cell, and "<think>" would read as an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "&lt;")
 
 
 def section_table(section: str) -> list[str]:
@@ -139,7 +140,7 @@ def generate() -> str:
         parts = [s if s in ("shared", stage) else f"{s} ({', '.join(f'`{_flag(n)}`' for n in names)})"
                  for s, names in script_sections(stage)]
         out.append(f"| `{script}` | {', '.join(f'[{p}](#{p})' if ' ' not in p else p for p in parts)} |")
-    out += ["| `run_all.sh` | none of its own beyond those below: each stage reads the same `--config` |", ""]
+    out += ["| `run_all.sh` | `--config` (passed to every stage) and its own options: [run_all.sh](#run_allsh) |", ""]
     for section in SECTIONS:
         out += [f"## {section}", ""]
         if section == "plan":

@@ -45,8 +45,6 @@ EXTERNAL_FLAGS = {
                   "--tp-size"},
     "pytest": {"--durations"},
     "tensorboard": {"--logdir"},
-    "bench/ scripts": {"--part", "--bare-tokens", "--anchor-every", "--tracks", "--work", "--out", "--vllm-site",
-                       "--deadline-s", "--draft"},
 }
 
 SCRIPTS = {"01_prepare_data.py": "prepare", "01b_generate_synthetic.py": "generate",
@@ -97,6 +95,11 @@ def our_flags(helps) -> dict[str, set[str]]:
     out = {name: set(FLAG.findall(text.split("\n\n", 1)[0])) for name, text in helps.items()}
     for path in ("run_all.sh", "scripts/setup_env.sh", "test.sh", "demo.sh"):
         out[path] = shell_flags(path)
+    # the bench scripts (BENCHMARKS.md's commands): their argparse flags, read from the source (importing them would
+    # load vLLM or CUDA code)
+    out["bench/"] = {f for p in sorted((ROOT / "bench").glob("*.py"))
+                     for f in re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", p.read_text())}
+    assert {"--bare-tokens", "--part"} <= out["bench/"]
     assert "--print-recipe" in out["run_all.sh"] and "--check-gpu-pins" in out["scripts/setup_env.sh"]
     assert "--no-thinking" in out["01_prepare_data.py"]  # a boolean flag's negative form
     return out
@@ -175,7 +178,7 @@ def test_external_flags_are_not_ours(our_flags):
     ours = set().union(*our_flags.values())
     for tool in ("torchrun", "SpecForge"):
         clash = EXTERNAL_FLAGS[tool] & ours - {"--resume", "--learning-rate", "--concurrency", "--temperature",
-                                               "--out", "--draft", "--work", "--epochs", "--max-steps",
+                                               "--epochs", "--max-steps",
                                                "--nproc-per-node"}  # ours too (train.nproc_per_node)
         assert not clash, (tool, clash)
 
@@ -259,7 +262,10 @@ def test_reference_agrees_with_each_scripts_help(helps):
     from eagle3pipe.reference import script_sections
 
     reference = (ROOT / "docs/reference.md").read_text()
-    norm = lambda s: re.sub(r"\s+", " ", re.sub(r"(?<=\w-)\n\s*", "", s))  # noqa: E731  (argparse wraps lines, also after hyphens)
+
+    def norm(text: str) -> str:  # argparse wraps lines, also after a hyphen
+        return re.sub(r"\s+", " ", re.sub(r"(?<=\w-)\n\s*", "", text))
+
     for script, stage in SCRIPTS.items():
         text = norm(helps[script])
         flags = set(FLAG.findall(helps[script].split("\n\n", 1)[0]))  # the usage block: every option
@@ -272,7 +278,8 @@ def test_reference_agrees_with_each_scripts_help(helps):
                 row = f"| `{section}.{name}` | "
                 assert row in reference, (script, row)
                 line = next(x for x in reference.splitlines() if x.startswith(row))
-                assert doc.replace("|", "\\|") in line and f"`{_shown_default(fields[name])}`" in line, line
+                cell = doc.replace("|", "\\|").replace("<", "&lt;")  # as a markdown table cell
+                assert cell in line and f"`{_shown_default(fields[name])}`" in line, line
                 assert norm(f"{doc} (default: {_shown_default(fields[name])})") in text, (script, flag)
         assert flags == listed, (script, flags ^ listed)
 
