@@ -330,6 +330,9 @@ def test_two_node_recipe_commands_parse_for_the_config(tmp_path, monkeypatch):
     assert words[words.index("--host") + 1] == "0.0.0.0" and words[words.index("--api-key") + 1] == "$VLLM_API_KEY"
     kv = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert Path(kv["kv_connector_extra_config"]["shared_storage_path"]) == DataDir(tmp_path / "data").hs_work.resolve()
+    for line in lines:  # every vllm serve line (01b's and 02's servers) uses flags vLLM has (the list above)
+        if "vllm serve" in line:
+            assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
     # 04 offline: one torchrun command for both nodes, rendezvous on node 0
     train = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
     assert len(train) == 1
@@ -366,6 +369,10 @@ def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
 
     assert r.stdout == two_node(str(config), ("a", "b"))
     assert not (tmp_path / "data").exists()  # printed only: nothing ran
-    r = subprocess.run([str(ROOT / "run_all.sh"), "--config", str(config), "--print-recipe", "three-node"],
-                       capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "two-node" in r.stderr
+    from eagle3pipe.recipe import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:  # what run_all.sh passes it, in-process
+        main(["three-node", "--config", str(config)])
+    assert e.value.code == 2 and "two-node" in err.getvalue()
+    assert main(["two-node", "--config", str(config), "--nodes", "only-one"]) == 2
