@@ -8,6 +8,9 @@
 #   nohup ./run_all.sh --config configs/kimi_k25.yaml > run_all.out 2>&1 &   tail -f run_all.out
 #   ./run_all.sh --config FILE --check | --plan | --status    (run nothing: check this node / cost the run / show
 #                                                              each stage's state, progress, ETA and drops)
+#   ./run_all.sh --config FILE --print-recipe two-node [--nodes HOST0,HOST1]
+#                (run nothing: print the exact per-node commands of a two-node run for this config: which node
+#                 serves the verifier for 01b and 02, which trains, the shared data dir; docs/two-node.md)
 #
 # Each stage logs to <data_dir>/logs/<stage>.log (the stage's own log) and to the terminal; the whole run's output,
 # tracebacks included, is appended to <data_dir>/logs/run_all.log. A stage that exited 0 leaves a marker
@@ -21,7 +24,7 @@
 # --allow-human-answers). Stage names:
 # 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
 # Stage 04 runs under torchrun on train.nproc_per_node processes of this node when that is more than 1 (0, the
-# default, means every GPU torch sees; 1 on CPU); several nodes: README 04_train.py. Before the first stage after
+# default, means every GPU torch sees; 1 on CPU); several nodes: --print-recipe two-node. Before the first stage after
 # 01 that runs, the plan's disk estimate of the whole run is checked against the data dir's free space
 # (python -m eagle3pipe.costs --check-disk; extract.force_disk starts anyway).
 set -uo pipefail
@@ -35,7 +38,7 @@ main() {
   REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   RESUME_CMD="$(printf '%q ' "$0" "$@")"  # the command as typed: rerunning it resumes
-  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE=""
+  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE="" RECIPE="" NODES=""
   VLLM_URLS=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -47,6 +50,8 @@ main() {
       --force) FORCE=1; shift ;;
       --allow-human-answers) ALLOW_HUMAN=1; shift ;;
       --check|--plan|--status) MODE="${1#--}"; shift ;;
+      --print-recipe) MODE=recipe; RECIPE="${2:-}"; shift; [ $# -gt 0 ] && shift ;;
+      --nodes) NODES="${2:-}"; shift; [ $# -gt 0 ] && shift ;;
       -h|--help) usage; exit 0 ;;
       *) echo "run_all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -61,6 +66,7 @@ main() {
     check) exec "$PYTHON" -m eagle3pipe.doctor --config "$CONFIG" "${URL_ARGS[@]}" ;;
     plan) exec "$PYTHON" -m eagle3pipe.costs --config "$CONFIG" "${URL_ARGS[@]}" ;;
     status) exec "$PYTHON" -m eagle3pipe.status --config "$CONFIG" ;;
+    recipe) exec "$PYTHON" -m eagle3pipe.recipe "$RECIPE" --config "$CONFIG" ${NODES:+--nodes "$NODES"} ;;
   esac
 
   PLAN_ARGS=(plan --config "$CONFIG")

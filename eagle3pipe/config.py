@@ -198,7 +198,7 @@ class VocabConfig:
 @dataclass
 class TrainConfig:
     draft: str = "eagle3"  # "eagle3" (one layer, k drafts autoregressively) or "dflash" (a block of k + 1 in one
-    # forward; speculators' DFlashDraftModel, vLLM method dflash). README 04_train.py: when to pick which
+    # forward; speculators' DFlashDraftModel, vLLM method dflash). docs/dflash.md: when to pick which
     draft_layer_ids: list[int] = field(default_factory=list)  # the states of shared.aux_layer_ids this draft reads
     # (an ascending subset; empty = all of them); EAGLE-3 reads exactly 3
     finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder (eagle3), or a z-lab or
@@ -206,7 +206,7 @@ class TrainConfig:
     epochs: int = 3  # passes over the training split
     learning_rate: float = 1e-4  # peak AdamW learning rate
     total_seq_len: int = 32768  # tokens packed per training row (one optimizer step); >= shared.max_seq_len.
-    # K2.5 draft on one H200: peak 39.8 GiB at 8192, 80.7 GiB at 32768 (measured, README 04_train.py)
+    # K2.5 draft on one H200: peak 39.8 GiB at 8192, 80.7 GiB at 32768 (measured, docs/stages/04_train.md)
     ttt_steps: int = 3  # test-time-training unroll steps
     checkpoint_every: int = 500  # optimizer steps between checkpoints
     eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
@@ -228,7 +228,7 @@ class TrainConfig:
     draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
     overwrite: bool = False  # start over: delete existing checkpoints/ instead of refusing (see also resume)
     grad_accum: int = 1  # packed rows summed per rank before each optimizer step: one step = world size x grad_accum
-    # rows, so one GPU with grad_accum 8 reproduces an 8-GPU run's global batch (README 04_train.py)
+    # rows, so one GPU with grad_accum 8 reproduces an 8-GPU run's global batch (docs/stages/04_train.md)
     nproc_per_node: int = 0  # processes run_all.sh starts for 04 (torchrun when > 1); 0 = every visible GPU (CPU: 1).
     # 04_train.py itself trains on as many processes as torchrun gives it
     keep_checkpoints: int = 3  # step_N checkpoints kept (the newest ones; final/ is never pruned); 0 = keep all.

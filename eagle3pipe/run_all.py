@@ -86,7 +86,8 @@ def train_processes(cfg) -> int:
 
 def train_launcher(cfg) -> list[str]:
     """``python -m`` arguments that start 04 on ``train_processes`` processes of this node (torchrun's own
-    single-node rendezvous), or [] for one plain process. Several nodes: README 04_train.py (torchrun by hand)."""
+    single-node rendezvous), or [] for one plain process. Several nodes: ``run_all.sh --print-recipe two-node``
+    (docs/two-node.md)."""
     n = train_processes(cfg)
     return ["torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n > 1 else []
 

@@ -48,6 +48,9 @@ import httpx2  # the HTTP library the openai client is built on
 log = logging.getLogger(__name__)
 # a line of a vLLM log that names why a process failed: vLLM's ERROR lines and a traceback's last line ("XError: ...")
 STARTUP_CAUSE = re.compile(r"\bERROR\b|^(\([^)]*\)\s*)?[\w.]*(Error|Exception)\b: ")
+# what vLLM puts before a logged line's text: "(Worker pid=1) ERROR 12-03 15:49:18 [multiproc_executor.py:953] "
+VLLM_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]*\]\s?)?")
+RAISED = re.compile(r"^[\w.]*(Error|Exception)\b: ")  # a traceback's last line: what was raised
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON_ENV = "EAGLE3PIPE_VLLM_PYTHON"  # override for the interpreter that has vLLM installed
@@ -944,15 +947,16 @@ class VllmServer:
             time.sleep(1.0)
 
     def failure_excerpt(self, causes: int = 8, lines: int = 12) -> str:
-        """What a failed start says: the lines of the engine and worker processes that name an error (the cause;
-        the API server's own traceback, which ends the log, only says "Engine core initialization failed. See root
-        cause above"), then the log's last lines."""
+        """What a failed start says: the exceptions the engine and worker processes raised, their first error lines
+        (the cause; the API server's own traceback, which ends the log, only says "Engine core initialization
+        failed. See root cause above"), then the log's last lines."""
         try:
             text = self.log_file.read_text(errors="replace").splitlines()
         except OSError:
             return "<no log>"
         found = [line for line in text if STARTUP_CAUSE.search(line) and not line.startswith("(APIServer")]
-        cause = "\n".join(found[:causes])
+        raised = [line for line in found if RAISED.match(VLLM_LOG_PREFIX.sub("", line, count=1))]
+        cause = "\n".join(dict.fromkeys(raised[:2] + found[:causes]))  # what was raised first: a traceback is long
         tail = "\n".join(text[-lines:])
         return f"the cause, as the engine logged it:\n{cause}\n... the log ends:\n{tail}" if cause else tail
 

