@@ -126,7 +126,8 @@ def test_resume_with_max_steps_already_reached_has_nothing_to_do_and_keeps_the_e
     written when it is missing."""
     import torch
 
-    from eagle3pipe.train import build_data, packed_batches
+    from eagle3pipe.train import build_data
+    from eagle3pipe.train_batches import packed_batches
 
     _prepare(tmp_path, toy_llama, make_rows(12, seed=10))
     dd = DataDir(tmp_path)
