@@ -118,7 +118,7 @@ def expected_scalars(records: list[dict]) -> dict[tuple[str, int], float]:
 def monitored(toy_llama, tmp_path_factory):
     """One run: tensorboard + wandb (offline), a log line every 2 steps, an evaluation every 5 steps, export best;
     plot_curves watched (a spy that calls the real one) to see when curves.png is drawn."""
-    import eagle3pipe.train as train_module
+    import eagle3pipe.train_drafts as train_module  # the draft family draws curves.png (train_drafts.plot_curves)
 
     root = tmp_path_factory.mktemp("monitored")
     cfg = _prepare(root, toy_llama, **MONITORED)
