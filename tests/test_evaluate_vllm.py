@@ -130,7 +130,7 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
                                                        monkeypatch):
     import os
 
-    from eagle3pipe.server import API_KEY_ENV
+    from eagle3pipe.vllm_client import API_KEY_ENV
 
     early, trained = early_and_trained_drafts
     key = "k-" + os.urandom(8).hex()
