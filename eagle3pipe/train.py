@@ -49,20 +49,21 @@ from .progress import Progress
 from .records import (
     DataDir,
     FormatError,
-    SkippedSample,
-    TrainingState,
-    list_train_checkpoints,
     load_hs_manifest,
-    load_skipped_samples,
-    load_train_checkpoint,
-    load_vocab_mapping,
-    load_vocab_summary,
     read_jsonl,
     read_provenance,
-    save_train_checkpoint,
     write_jsonl_atomic,
     write_provenance,
 )
+from .records_checkpoints import (
+    SkippedSample,
+    TrainingState,
+    list_train_checkpoints,
+    load_skipped_samples,
+    load_train_checkpoint,
+    save_train_checkpoint,
+)
+from .records_vocab import load_vocab_mapping, load_vocab_summary
 from .train_batches import (
     BatchSource,
     EpochBatches,

@@ -22,7 +22,8 @@ from eagle3pipe.evaluate import run_evaluate
 from eagle3pipe.extract import run_extract
 from eagle3pipe.generate import run_generate
 from eagle3pipe.prepare import run_prepare
-from eagle3pipe.records import DataDir, load_eval_report
+from eagle3pipe.records import DataDir
+from eagle3pipe.records_eval import load_eval_report
 from eagle3pipe.toy_reasoning import write_chat_datasets
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab

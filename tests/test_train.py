@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from eagle3pipe import draft
 from eagle3pipe.cli import StageError, run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints, load_hidden_states, read_jsonl
+from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
+from eagle3pipe.records_checkpoints import list_train_checkpoints
 from eagle3pipe.train import build_data, run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import (

@@ -20,7 +20,8 @@ from eagle3pipe import draft
 from eagle3pipe.cli import run_stage
 from eagle3pipe.locks import StageLock
 from eagle3pipe.progress import Progress
-from eagle3pipe.records import DataDir, list_train_checkpoints, load_train_checkpoint, read_jsonl, read_provenance
+from eagle3pipe.records import DataDir, read_jsonl, read_provenance
+from eagle3pipe.records_checkpoints import list_train_checkpoints, load_train_checkpoint
 from eagle3pipe.train import add_hidden_noise, run_train, train_log_name
 from eagle3pipe.train_metrics import ACCEPTANCE_KEY, simulated_acceptance_length
 from eagle3pipe.vocab import run_vocab

@@ -641,7 +641,7 @@ def test_at_8_ranks_the_shared_cache_extracts_each_sample_once_with_the_real_pac
     import random
     from types import SimpleNamespace
 
-    from eagle3pipe.records import TrainingState
+    from eagle3pipe.records_checkpoints import TrainingState
     from eagle3pipe.train import run_plan
     from eagle3pipe.train_batches import packed_batches
     from eagle3pipe.train_online import job_reads, plan_cache

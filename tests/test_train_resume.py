@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints, read_jsonl
+from eagle3pipe.records import DataDir, read_jsonl
+from eagle3pipe.records_checkpoints import list_train_checkpoints
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import make_rows, toy_config, write_hidden_states, write_rows

@@ -22,16 +22,8 @@ import yaml
 from safetensors.torch import load_file
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import (
-    DataDir,
-    hs_file_metadata,
-    hs_layer_ids,
-    list_train_checkpoints,
-    load_skipped_samples,
-    read_jsonl,
-    read_provenance,
-    save_tensors_atomic,
-)
+from eagle3pipe.records import DataDir, hs_file_metadata, hs_layer_ids, read_jsonl, read_provenance, save_tensors_atomic
+from eagle3pipe.records_checkpoints import list_train_checkpoints, load_skipped_samples
 from eagle3pipe.train import build_data, run_train
 from eagle3pipe.train_batches import EpochBatches, make_loader, packed_batches
 from eagle3pipe.train_data import SKIPPED_KEY, SkippedFile
