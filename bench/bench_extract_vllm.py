@@ -44,7 +44,8 @@ from eagle3pipe import extract_vllm  # noqa: E402
 from eagle3pipe.config import load_config  # noqa: E402
 from eagle3pipe.extract import run_extract  # noqa: E402
 from eagle3pipe.records import FP8_MAX, DataDir, load_hidden_states  # noqa: E402
-from eagle3pipe.server import VllmServer, make_async_client  # noqa: E402
+from eagle3pipe.server import VllmServer  # noqa: E402
+from eagle3pipe.vllm_client import make_async_client  # noqa: E402
 from eagle3pipe.toy import build_toy_verifier  # noqa: E402
 
 log = logging.getLogger("bench_extract_vllm")

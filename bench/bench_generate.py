@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eagle3pipe.records import DataDir, Question, check_synthetic, write_jsonl_atomic  # noqa: E402
-from eagle3pipe.server import VllmServer, group_cpu_seconds, read_metrics  # noqa: E402
+from eagle3pipe.server import VllmServer, group_cpu_seconds  # noqa: E402
+from eagle3pipe.vllm_client import read_metrics  # noqa: E402
 from eagle3pipe.toy import BPE_VOCAB_SIZE, MODEL_VOCAB_SIZE, SPECIAL_TOKENS, build_toy_verifier  # noqa: E402
 
 log = logging.getLogger("bench_generate")

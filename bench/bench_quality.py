@@ -43,7 +43,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3pipe.records import DataDir, load_eval_report  # noqa: E402
+from eagle3pipe.records import DataDir  # noqa: E402
+from eagle3pipe.records_eval import load_eval_report  # noqa: E402
 from eagle3pipe.server import VllmServer  # noqa: E402
 from eagle3pipe.toy_reasoning import write_chat_datasets  # noqa: E402
 

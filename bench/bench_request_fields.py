@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_generate import HISTOGRAMS, sampling_extras  # noqa: E402
-from eagle3pipe.server import VllmServer, group_cpu_seconds, make_async_client, read_metrics  # noqa: E402
+from eagle3pipe.server import VllmServer, group_cpu_seconds  # noqa: E402
+from eagle3pipe.vllm_client import make_async_client, read_metrics  # noqa: E402
 from eagle3pipe.toy import build_toy_verifier  # noqa: E402
 
 log = logging.getLogger("bench_request_fields")

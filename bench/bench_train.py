@@ -52,15 +52,14 @@ from eagle3pipe.progress import setup_logging  # noqa: E402
 from eagle3pipe.records import (  # noqa: E402
     DataDir,
     HiddenStatesManifest,
-    VocabSummary,
     read_jsonl,
     hs_file_metadata,
     hs_layer_ids,
     save_hidden_states,
     save_hs_manifest,
     save_hs_rows,
-    save_vocab,
 )
+from eagle3pipe.records_vocab import VocabSummary, save_vocab  # noqa: E402
 
 log = logging.getLogger("bench_train")
 REPO = Path(__file__).resolve().parents[1]

@@ -45,8 +45,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_generate import ServerLoad, sampling_extras  # noqa: E402
 from bench_request_fields import bodies  # noqa: E402
-from eagle3pipe import server as srv  # noqa: E402
-from eagle3pipe.server import VllmServer, group_cpu_seconds, make_async_client  # noqa: E402
+from eagle3pipe import vllm_client as srv  # noqa: E402
+from eagle3pipe.server import VllmServer, group_cpu_seconds  # noqa: E402
+from eagle3pipe.vllm_client import make_async_client  # noqa: E402
 from eagle3pipe.toy import build_toy_verifier  # noqa: E402
 
 log = logging.getLogger("bench_transport")

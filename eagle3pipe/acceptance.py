@@ -13,7 +13,7 @@ counts, never by averaging their rates.
 
 from __future__ import annotations
 
-from .server import ServerMetrics
+from .vllm_client import ServerMetrics
 
 
 def acceptance_figures(drafts: int, draft_tokens: int, accepted: int, per_position: list[int]) -> dict:

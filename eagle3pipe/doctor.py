@@ -278,7 +278,7 @@ def is_loopback(url: str) -> bool:
 def check_servers(cfg: PipelineConfig, timeout_s: float = 10.0) -> list[Check]:
     import httpx2
 
-    from .server import auth_headers
+    from .vllm_client import auth_headers
     from .vllm_internals import version_problem
 
     out = []
@@ -311,7 +311,7 @@ def check_servers(cfg: PipelineConfig, timeout_s: float = 10.0) -> list[Check]:
 
 
 def check_api_keys(cfg: PipelineConfig) -> Check:
-    from .server import API_KEY_ENV, api_key
+    from .vllm_client import API_KEY_ENV, api_key
 
     remote = [url for _, url in configured_urls(cfg) if not is_loopback(url)]
     if not remote:

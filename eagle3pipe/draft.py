@@ -125,7 +125,8 @@ def _read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
 def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
     """Read and strictly check a flat ``LlamaForCausalLMEagle3`` draft: every key present, none unexpected, shapes
     and the vocabulary map consistent with config.json. Raises DraftFormatError naming the culprit."""
-    from .records import FormatError, check_vocab_mapping
+    from .records import FormatError
+    from .records_vocab import check_vocab_mapping
 
     folder = Path(folder)
     config_path = folder / CONFIG_FILE

@@ -56,8 +56,10 @@ from .cli import StageError
 from .config import PipelineConfig
 from .draft import FLAT_ARCHITECTURES, flat_tensor_shapes
 from .eval_sets import EvalSet, load_eval_sets
-from .records import DataDir, save_eval_report
-from .server import ServerError, VllmServer, auth_headers, make_async_client, probe_vllm, read_metrics
+from .records import DataDir
+from .records_eval import save_eval_report
+from .server import ServerError, VllmServer, probe_vllm
+from .vllm_client import auth_headers, make_async_client, read_metrics
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ states as our per-sample file, into the path the request names: ``hidden_states/
 the same files and journal the transformers backend writes, so ``extract.finalize`` and stages 03/04 are unchanged.
 
 This module starts a server (``extract.server_args`` for TP etc.) or uses running ones (``--extract-url``,
-repeatable: samples are spread over the ones that answer, ``server.ServerPool``, e.g. one server per node), then:
+repeatable: samples are spread over the ones that answer, ``vllm_client.ServerPool``, e.g. one server per node), then:
 
 1. refuses, before sending anything, rows that do not fit the servers' ``max_model_len`` with the one generated
    token (the count and the flag that fixes it);
@@ -66,20 +66,16 @@ from .records import (
     load_hidden_states,
     read_hidden_states_header,
 )
-from .server import (
+from .server import REPO_ROOT, ServerError, VllmServer, default_vllm_python, probe_vllm
+from .vllm_client import (
     API_KEY_ENV,
-    REPO_ROOT,
     NoServerAnswers,
     NotAdmittedYet,
     RequestFailure,
     ServerPool,
-    VllmServer,
     api_key,
     backoff_delay_s,
     classify_request_error,
-    default_vllm_python,
-    ServerError,
-    probe_vllm,
 )
 
 log = logging.getLogger(__name__)
@@ -271,7 +267,7 @@ class Extractor:
     journal: JsonlAppender
     model: str = ""
     out_dir: Path | None = None  # folder of the files hs_{local_index}; None = the shard's work folder (stage 02)
-    pool: ServerPool | None = None  # the servers that answer, fewest in flight first (server.py)
+    pool: ServerPool | None = None  # the servers that answer, fewest in flight first (vllm_client.py)
     tokens: int = 0
     bytes: int = 0
     retries: int = 0

@@ -1,6 +1,6 @@
 """Stage 01b, the request side: send questions to vLLM with bounded concurrency, read each reply, write it at once.
 
-``Generator`` spreads requests over one or more servers (``server.ServerPool``: fewest in flight among those that
+``Generator`` spreads requests over one or more servers (``vllm_client.ServerPool``: fewest in flight among those that
 answer; one that refuses connections is set aside until it answers again), retries timeouts, connection
 errors and 5xx with exponential backoff, reads reasoning from ``reasoning`` then ``reasoning_content`` then any
 reasoning-like field, takes the server's exact token ids (``return_token_ids``) or rebuilds them from text, flags
@@ -37,7 +37,7 @@ from .records import (
     TrainingRow,
     flag_bits,
 )
-from .server import (
+from .vllm_client import (
     NoServerAnswers,
     RequestFailed,
     ServerMetrics,
@@ -253,7 +253,7 @@ class Generator:
         return body
 
     async def _ask(self, idx: int, model: str, q) -> dict:
-        # server.post_json (aiohttp), not the openai client: the least client CPU a request of the clients measured
+        # vllm_client.post_json (aiohttp), not the openai client: the least client CPU a request of the clients measured
         # (bench/bench_transport.py), and the raw JSON keeps every field vLLM sent. It raises RequestFailed with
         # the kinds and retry decisions classify_request_error gives the openai client's errors.
         return await post_json(self.sessions[idx], self.endpoints[idx], self.request_body(model, q),

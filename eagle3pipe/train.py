@@ -38,11 +38,9 @@ import os
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .cli import StageError, errors_allowed
@@ -51,19 +49,37 @@ from .progress import Progress
 from .records import (
     DataDir,
     FormatError,
+    load_hs_manifest,
+    read_jsonl,
+    read_provenance,
+    write_jsonl_atomic,
+    write_provenance,
+)
+from .records_checkpoints import (
     SkippedSample,
     TrainingState,
     list_train_checkpoints,
-    load_hs_manifest,
     load_skipped_samples,
     load_train_checkpoint,
-    load_vocab_mapping,
-    load_vocab_summary,
-    read_jsonl,
-    read_provenance,
     save_train_checkpoint,
-    write_jsonl_atomic,
-    write_provenance,
+)
+from .records_vocab import load_vocab_mapping, load_vocab_summary
+from .train_batches import (
+    BatchSource,
+    EpochBatches,
+    EpochPlan,
+    OfflineBatches,
+    PackedRows,
+    Ranks,
+    SourceStopped,
+    agree_stop,
+    check_lengths_fit,
+    datasets_without_video,
+    held_out_split,
+    make_loader,
+    packed_batches,
+    states_reader,
+    train_dtype,
 )
 from .train_drafts import draft_family
 from .train_metrics import (
@@ -97,20 +113,6 @@ def resolve_device(name: str, ranks: Ranks | None = None) -> torch.device:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data parallel (torchrun)
-
-
-@dataclass
-class Ranks:
-    """This process's place in the job: torchrun sets WORLD_SIZE, RANK, LOCAL_RANK; without it one process."""
-
-    world: int = 1
-    rank: int = 0
-    local_rank: int = 0
-    distributed: bool = False  # a process group exists (under torchrun, also with one process)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
 
 
 def job_ranks() -> Ranks:
@@ -285,38 +287,7 @@ def draft_state(model) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Data
-
-
-class EpochBatches:
-    """A batch sampler whose batch list is set per epoch (with a start offset for resume), so one DataLoader and
-    its persistent workers serve every epoch."""
-
-    def __init__(self):
-        self.batches: list = []
-
-    def set(self, batches: list, start: int = 0) -> None:
-        self.batches = list(batches[start:])
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-
-def _datasets_without_video() -> None:
-    """Shim: datasets 4.4's torch formatter imports ``torchvision.io.VideoReader`` for every row once torchvision
-    is imported, and torchvision >= 0.26 (the H200 image here) no longer has it, so every read of hidden_states/
-    fails. Our rows hold no video; tell datasets torchvision is absent."""
-    import datasets.config
-
-    datasets.config.TORCHVISION_AVAILABLE = False
-
-
-def _worker_init(worker_id: int) -> None:  # noqa: ARG001
-    _datasets_without_video()
-    torch.set_num_threads(1)  # workers only read and copy; intra-op threads would oversubscribe the cores
+# Data: which source (the sources and what both build on: train_batches.py)
 
 
 def build_data(cfg: PipelineConfig, device: torch.device):
@@ -325,7 +296,7 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         from .train_online import build_online_data
 
         return build_online_data(cfg, device)
-    _datasets_without_video()
+    datasets_without_video()
     dd = DataDir(cfg.data_dir)
     t = cfg.train
     manifest = load_hs_manifest(dd.hs_manifest)
@@ -342,32 +313,6 @@ def build_data(cfg: PipelineConfig, device: torch.device):
     train_ds, val_ds = dataset("train"), (dataset("val") if train_ratio < 1.0 else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
     return train_ds, val_ds, manifest
-
-
-def held_out_split(n: int, eval_fraction: float) -> float:
-    """speculators' train_ratio for ``n`` samples: the first int(n x ratio) train, the rest are held out (1.0 = none,
-    with a warning when ``eval_fraction`` asked for some but ``n`` is too small for either side to be non-empty)."""
-    ratio = 1.0 - eval_fraction
-    if eval_fraction > 0 and 0 < int(n * ratio) < n:
-        return ratio
-    if eval_fraction > 0:
-        log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * eval_fraction)
-    return 1.0
-
-
-def states_reader(manifest, files: Path, dtype: torch.dtype):
-    """(transfer, dataset class, dtype the states are collated in) reading the per-sample files in ``files``: fp8
-    stays e4m3 with its scales until the device; each file's layer ids are checked against ``manifest``, and a
-    file whose states are not one row per token id or whose token ids are not its row's is skipped and listed
-    (train_data.CheckedArrowDataset). The offline and the online source (spool files) both read through it."""
-    if manifest.storage_dtype == "fp8":  # e4m3 + scales through the loader, dequantised on the device
-        from .train_data import Fp8KeptTransfer, Fp8ScaledDataset
-
-        return Fp8KeptTransfer(files, manifest), Fp8ScaledDataset, torch.float8_e4m3fn
-    # each file's layer ids checked against the manifest, its states length and token ids against its row
-    from .train_data import CheckedArrowDataset, CheckedFileTransfer
-
-    return CheckedFileTransfer(files, manifest), CheckedArrowDataset, dtype
 
 
 def _same_checkpoint(a: Path, b: Path) -> bool:
@@ -425,114 +370,6 @@ def check_states_match(manifest, cfg: PipelineConfig) -> None:
                              "this one and --overwrite)")
 
 
-def check_lengths_fit(lengths, cfg: PipelineConfig) -> None:
-    """Refuse samples longer than a packed row: speculators 0.9's sampler clips such a sample's length to
-    ``total_seq_len`` and its collate copies only the first ``total_seq_len`` tokens, so the rest (extracted and
-    stored) would never be trained, without an error."""
-    limit = cfg.train.total_seq_len
-    lengths = np.asarray(lengths, dtype=np.int64)  # [n]
-    long = lengths[lengths > limit]
-    if long.size:
-        raise StageError(f"{long.size} of {len(lengths)} samples in {DataDir(cfg.data_dir).hidden_states} are longer "
-                         f"than train.total_seq_len {limit} (longest {long.max()}): training would cut them and never "
-                         f"see {int(long.sum()) - limit * long.size} of their tokens. Raise --total-seq-len to at "
-                         f"least {long.max()}, or rebuild the rows with shared.max_seq_len <= {limit}")
-
-
-def train_dtype(device: torch.device) -> torch.dtype:
-    """dtype of the hidden states the draft reads: bf16 under CUDA autocast, fp32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def make_collate(dataset, cfg: PipelineConfig):
-    """speculators' CollateFn as both sources pack a row with it: hidden states collated in the dtype stored (fp8
-    stays e4m3 until train_data.to_device on the device), the draft's layers of those stored, shifted for EAGLE-3
-    (train_data.DraftStates); the samples the read checks skipped listed in the batch (train_data.ListingCollateFn)."""
-    from .train_data import DraftStates, ListingCollateFn
-
-    preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft == "eagle3")
-    return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size,
-                            num_target_layers=len(cfg.draft_layer_ids), dtype=dataset.hidden_states_dtype,
-                            preprocess=preprocess)
-
-
-def make_loader(dataset, sampler: EpochBatches, cfg: PipelineConfig, device: torch.device):
-    from torch.utils.data import DataLoader
-
-    workers = cfg.train.num_workers
-    collate = make_collate(dataset, cfg)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                      pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
-                      persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None,
-                      worker_init_fn=_worker_init if workers else None)
-
-
-class PackedRows:
-    """One epoch's packed rows as two arrays (issue 27): ``samples`` int64 [S], the dataset indices row after row,
-    and ``starts`` int64 [R + 1], where each row begins in it. ``rows[i]`` is row i's list of sample indices, made
-    when it is asked for; ``len``, iteration and slices (lists) as the list of lists it stands for. 8 bytes a sample
-    and a row instead of a Python list of ints per row (~40 bytes a sample), for every epoch of the run's plan."""
-
-    def __init__(self, samples: np.ndarray, starts: np.ndarray):
-        self.samples, self.starts = samples, starts
-
-    @classmethod
-    def from_rows(cls, rows) -> "PackedRows":
-        """From a sequence of index arrays or lists (one per row)."""
-        sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        starts = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=starts[1:])
-        samples = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if len(rows) else starts[:0]
-        return cls(samples, starts)
-
-    def __len__(self) -> int:
-        return len(self.starts) - 1
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"packed row {i} of {len(self)}")
-        return self.samples[self.starts[i]:self.starts[i + 1]].tolist()
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self[i]
-
-    def take(self, positions) -> "PackedRows":
-        """The rows at ``positions``, in that order."""
-        positions = np.asarray(positions, dtype=np.int64)
-        sizes = self.starts[positions + 1] - self.starts[positions]  # [k]
-        starts = np.zeros(len(positions) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=starts[1:])
-        picks = np.repeat(self.starts[positions] - starts[:-1], sizes) + np.arange(int(starts[-1]))  # [k samples]
-        return PackedRows(self.samples[picks], starts)
-
-
-def packed_batches(dataset, total_seq_len: int, seed: int, epoch: int) -> PackedRows:
-    """speculators' packing of whole samples into rows of ``total_seq_len`` tokens, shuffled by seed + epoch."""
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
-                                                 num_replicas=1, rank=0, seed=seed)
-    # its public iterator hides epoch; kept as arrays: every epoch's rows are planned at the start
-    return PackedRows.from_rows(sampler._generate_batches(epoch))  # noqa: SLF001
-
-
-@dataclass
-class EpochPlan:
-    """What this rank will read of one epoch, known before the run starts (the packing is seeded per epoch)."""
-
-    epoch: int
-    plan: list[tuple[int, bool]]  # rank_rows of the epoch, cut where train.max_steps ends the run
-    rows: "PackedRows | list[list[int]]"  # the packed rows of ``plan``, one per micro-step
-    eval_steps: list[int]  # the run's step counts after which the held-out rows are evaluated (``eval_due``)
-    first_step: int  # optimizer steps done (the run's count) when the epoch's first step begins
-
-
 def eval_due(step: int, epoch_end: bool, last_step: int, every: int) -> bool:
     """A held-out evaluation follows optimizer step ``step``: every ``train.eval_every_steps`` steps, or (0) after the
     last step of each epoch; and after the run's last step (--max-steps may end it inside an epoch), so the weights
@@ -569,69 +406,8 @@ def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: i
     return out
 
 
-class OfflineBatches:
-    """The data-source seam, offline: an epoch's packed rows read from hidden_states/ by the DataLoader. The online
-    source (train_online.OnlineBatches) has the same methods."""
-
-    def __init__(self, loader, sampler: EpochBatches, val_loader=None):
-        self.loader, self.sampler, self.val_loader = loader, sampler, val_loader
-
-    def plan(self, epochs: list[EpochPlan], every_rank: list[list[EpochPlan]] | None = None) -> None:
-        """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself);
-        ``every_rank``: every rank's (online: the cache is planned for the whole job)."""
-
-    def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
-        """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
-        self.sampler.set(rows)
-        return self.loader
-
-    def evaluation(self, epoch: int, step: int):  # noqa: ARG002
-        """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step``."""
-        return self.val_loader
-
-    def stop_reason(self) -> str | None:
-        """Why the source cannot give the next step's rows (``SourceStopped``'s message), or None: offline, never."""
-        return None
-
-    def step_done(self) -> None:
-        """The optimizer step that used the batches handed out so far is done."""
-
-    def epoch_record(self, epoch: int) -> dict | None:  # noqa: ARG002
-        """A metrics.jsonl record of the source for the epoch, or None."""
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class SourceStopped(Exception):
-    """The data source cannot go on (online: no server answers, or more samples failed than allowed): 04 saves a
-    checkpoint at the last finished step and stops, naming --resume. ``agreed``: every rank stops at this step
-    (``agree_stop``), so the save, a collective, can run."""
-
-    def __init__(self, message: str, agreed: bool = False):
-        super().__init__(message)
-        self.agreed = agreed
-
-
-def agree_stop(source, ranks: Ranks) -> None:
-    """Before a step: raises SourceStopped on every rank when any rank's source would stop in it (one small
-    all_gather a step, online under torchrun only), so all ranks save the same checkpoint together instead of one
-    leaving the others in the step's gradient all-reduce."""
-    reason = source.stop_reason()
-    if ranks.distributed and isinstance(source, OfflineBatches):
-        return
-    if ranks.distributed:
-        import torch.distributed as dist
-
-        reasons = [None] * ranks.world
-        dist.all_gather_object(reasons, reason)
-        reason = next((m if r == ranks.rank else f"rank {r}: {m}" for r, m in enumerate(reasons) if m), None)
-    if reason is not None:
-        raise SourceStopped(reason, agreed=True)
-
-
-def make_batches(cfg: PipelineConfig, train_ds, val_ds, manifest, ranks: Ranks, device: torch.device):
+def make_batches(cfg: PipelineConfig, train_ds, val_ds, manifest, ranks: Ranks,
+                 device: torch.device) -> BatchSource:
     """The epoch and evaluation batches of train.data_source: offline, DataLoaders over hidden_states/; online, the
     states extracted into the spool as training goes (train_online.py). Each rank evaluates its share of the
     held-out rows (one packing, the same every epoch); the sums are all-reduced."""
@@ -876,17 +652,13 @@ def add_hidden_noise(batch: dict, std: float, seed: int) -> dict:
 
 
 def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
-    from .train_data import device_batches
-
+    """One rank's training run, step by step: data and checkpoints checked, the draft built (and resumed), the rows
+    packed and planned, then ``TrainingLoop`` trains them; the draft exported at the end."""
     started = time.time()
-    dd = DataDir(cfg.data_dir)
-    s, t = cfg.shared, cfg.train
-    world, accum = ranks.world, t.grad_accum
-    group = world * accum  # packed rows per optimizer step
-    dtype = train_dtype(device)
+    t = cfg.train
     if ranks.distributed:
-        log.info("rank %d of %d (local rank %d, pid %d) on %s", ranks.rank, world, ranks.local_rank, os.getpid(),
-                 device)
+        log.info("rank %d of %d (local rank %d, pid %d) on %s", ranks.rank, ranks.world, ranks.local_rank,
+                 os.getpid(), device)
     loss_config = resolve_loss(cfg)  # an unknown loss name costs no data check
     if ranks.main:
         check_trackers(t.report_to)
@@ -896,21 +668,62 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     model, base_config = build_model(cfg, device)
     set_lm_head_training(model, cfg)
     model.to(device)
-    autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)
+    epoch_batches, steps_per_epoch = pack_epochs(cfg, train_ds, ranks.world)
+    params, optimizer, scheduler = make_optimizer(model, cfg, sum(steps_per_epoch))
+    state = load_resume_point(cfg, resume_from, model, optimizer, scheduler)
+    dd = DataDir(cfg.data_dir)
+    skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
+    if state.epoch >= t.epochs or (t.max_steps and state.step >= t.max_steps):  # a --resume of a finished run
+        log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
+                 f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
+        return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world,
+                                               _skipped_counts(skipped_before), reuse=True))
+    net = wrap_data_parallel(model, ranks, device)
+    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export (train_drafts)
+    call_kwargs = family.call_kwargs(loss_config)
+    source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
+    plans = plan_epochs(cfg, epoch_batches, state, ranks, source, held_out=val_ds is not None)
+    cap = min(sum(steps_per_epoch), t.max_steps) if t.max_steps else sum(steps_per_epoch)
+    log_run_start(cfg, family, ranks.world, cap, epoch_batches, steps_per_epoch, manifest, device,
+                  held_out=val_ds is not None)
+    epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
+    loop = TrainingLoop(cfg, ranks, device, model, net, params, optimizer, scheduler, family, call_kwargs, source,
+                        epoch_batches, steps_per_epoch, plans, cap, state, resume_from is not None, skipped_before,
+                        epoch_samples)
+    state, counts = loop.run()
+    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world, counts))
 
+
+def pack_epochs(cfg: PipelineConfig, train_ds, world: int) -> tuple[list, list[int]]:
+    """Every epoch's packed rows and its optimizer steps (world size x train.grad_accum rows a step)."""
+    t = cfg.train
+    group = world * t.grad_accum  # packed rows per optimizer step
     # one packing for every world size (speculators' sampler at num_replicas 1): ranks split its rows (rank_rows).
     # Its num_replicas > 1 would pack per world size (so 2 GPUs would not train what 1 GPU x grad_accum 2 does)
     # and drops an epoch's last samples when fewer than num_replicas are left.
-    epoch_batches = [packed_batches(train_ds, t.total_seq_len, s.seed, e) for e in range(t.epochs)]
+    epoch_batches = [packed_batches(train_ds, t.total_seq_len, cfg.shared.seed, e) for e in range(t.epochs)]
     steps_per_epoch = [math.ceil(len(b) / group) for b in epoch_batches]
-    total_steps = sum(steps_per_epoch)
-    if total_steps == 0:
-        raise StageError(f"{dd.hidden_states}: no training batch (no samples?)")
+    if sum(steps_per_epoch) == 0:
+        raise StageError(f"{DataDir(cfg.data_dir).hidden_states}: no training batch (no samples?)")
+    return epoch_batches, steps_per_epoch
+
+
+def make_optimizer(model, cfg: PipelineConfig, total_steps: int):
+    """(trainable parameters, AdamW over them, its warm-up cosine schedule over ``total_steps``): the recipe's
+    train.learning_rate, weight_decay, adam_betas and warmup_ratio."""
+    t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
                                   betas=tuple(t.adam_betas))  # the recipe (train.weight_decay, adam_betas)
     scheduler = warmup_cosine_schedule(optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps)
-    state = TrainingState(step=0, epoch=0, batches_done=0, seed=s.seed)
+    return params, optimizer, scheduler
+
+
+def load_resume_point(cfg: PipelineConfig, resume_from: tuple[int, Path] | None, model, optimizer,
+                      scheduler) -> TrainingState:
+    """The state training starts from: step 0, or (--resume) the checkpoint's, with its weights, optimizer and
+    schedule loaded into ``model``, ``optimizer`` and ``scheduler``."""
+    state = TrainingState(step=0, epoch=0, batches_done=0, seed=cfg.shared.seed)
     if resume_from is not None:
         model_state, opt_state, sched_state, state = load_train_checkpoint(resume_from[1])
         own = draft_state(model)
@@ -921,82 +734,304 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         scheduler.load_state_dict(sched_state)
         log.info("resuming from %s: step %d, epoch %d, step %d of the epoch", resume_from[1], state.step, state.epoch,
                  state.batches_done)
-    skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
-    if state.epoch >= t.epochs or (t.max_steps and state.step >= t.max_steps):  # a --resume of a finished run
-        log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
-                 f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
-        return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world,
-                                               _skipped_counts(skipped_before), reuse=True))
-    net = model
-    if ranks.distributed:
-        from torch.nn.parallel import DistributedDataParallel
+    return state
 
-        # buffers (the vocabulary maps) never change: no broadcast before every forward (torch 2.13 renamed the
-        # flag forward_sync_buffers; the H200 image's 2.11 knows only broadcast_buffers)
-        import inspect
 
-        no_sync = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                   else {"broadcast_buffers": False})
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True, **no_sync)
+def wrap_data_parallel(model, ranks: Ranks, device: torch.device):
+    """The module the loop calls: the draft itself, or under torchrun the draft in DistributedDataParallel."""
+    if not ranks.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
 
-    family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export (train_drafts)
-    call_kwargs, keys = family.call_kwargs(loss_config), family.keys
-    source = make_batches(cfg, train_ds, val_ds, manifest, ranks, device)  # online: servers up, capture checked
-    cap = min(total_steps, t.max_steps) if t.max_steps else total_steps
-    eval_every = t.eval_every_steps if val_ds is not None else 0
-    every_rank = [run_plan(epoch_batches, state, t.max_steps, world, accum, r, eval_every) for r in range(world)]
-    if val_ds is None:
+    # buffers (the vocabulary maps) never change: no broadcast before every forward (torch 2.13 renamed the
+    # flag forward_sync_buffers; the H200 image's 2.11 knows only broadcast_buffers)
+    import inspect
+
+    no_sync = ({"forward_sync_buffers": False}
+               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True, **no_sync)
+
+
+def plan_epochs(cfg: PipelineConfig, epoch_batches: list, state: TrainingState, ranks: Ranks, source: BatchSource,
+                held_out: bool) -> dict[int, EpochPlan]:
+    """This rank's plan of every epoch from ``state`` on (``run_plan``; no evaluations without held-out rows),
+    handed to the source with every rank's (online: the spool fills across epochs, one cache for all ranks)."""
+    t = cfg.train
+    eval_every = t.eval_every_steps if held_out else 0
+    every_rank = [run_plan(epoch_batches, state, t.max_steps, ranks.world, t.grad_accum, r, eval_every)
+                  for r in range(ranks.world)]
+    if not held_out:
         for p in (p for mine in every_rank for p in mine):
             p.eval_steps = []
     plans = {p.epoch: p for p in every_rank[ranks.rank]}
     source.plan(every_rank[ranks.rank], every_rank)  # online: the spool fills across epochs, one cache for all ranks
+    return plans
+
+
+def log_run_start(cfg: PipelineConfig, family, world: int, cap: int, epoch_batches: list, steps_per_epoch: list[int],
+                  manifest, device: torch.device, held_out: bool) -> None:
+    """The run's shape (steps, rows and tokens a step, epochs) and its recipe, in two log lines."""
+    t = cfg.train
+    group = world * t.grad_accum
     log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
              "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
-             "es" if world > 1 else "", accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
+             "es" if world > 1 else "", t.grad_accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
              "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
              manifest.num_samples, manifest.storage_dtype, device)
     log.info("recipe: loss %s, AdamW weight decay %g, betas %s, gradient clipping %s, hidden-state noise %s; "
              "held-out evaluation %s; export %s", family.loss_name, t.weight_decay, tuple(t.adam_betas),
              f"{t.max_grad_norm:g}" if t.max_grad_norm else "off",
              f"uniform +-{t.hidden_noise_std:g}" if t.hidden_noise_std else "off",
-             "none (train.eval_fraction 0)" if val_ds is None else
+             "none (train.eval_fraction 0)" if not held_out else
              f"every {t.eval_every_steps} steps" if t.eval_every_steps else "after each epoch", t.export)
-    last_saved: list[TrainingState] = []
-    # train.export best: the best evaluation so far (every rank holds it: evaluations are all-reduced), its
-    # checkpoint saved when it is made and never pruned
-    best: list = on_rank0(ranks, lambda: _best_so_far(dd))  # [step, acceptance length] or []
 
-    def save(at: TrainingState) -> None:
+
+class TrainingLoop:
+    """This rank's planned steps from a state on: each step's micro-steps (forward, backward weighted by the rows
+    present, DDP's all-reduce once after the last), clipping, the optimizer and schedule, then the step's log line,
+    held-out evaluation, checkpoint (``save``) and --max-error-share check (``stop_past_share``); each epoch's end
+    record. ``run`` returns the last state and the skipped counts; a ``SourceStopped`` saves the last finished step
+    and stops with a StageError naming --resume."""
+
+    def __init__(self, cfg: PipelineConfig, ranks: Ranks, device: torch.device, model, net, params, optimizer,
+                 scheduler, family, call_kwargs: dict, source: BatchSource, epoch_batches: list,
+                 steps_per_epoch: list[int], plans: dict[int, EpochPlan], cap: int, state: TrainingState,
+                 resumed: bool, skipped_before: list[SkippedSample], epoch_samples: int):
+        self.cfg, self.ranks, self.device = cfg, ranks, device
+        self.dd, self.seed = DataDir(cfg.data_dir), cfg.shared.seed
+        self.model, self.net, self.params, self.optimizer, self.scheduler = model, net, params, optimizer, scheduler
+        self.family, self.call_kwargs, self.keys, self.source = family, call_kwargs, family.keys, source
+        self.epoch_batches, self.steps_per_epoch, self.plans, self.cap = epoch_batches, steps_per_epoch, plans, cap
+        self.state = state  # the last finished step's (what a save or a stop records)
+        self.world, self.accum = ranks.world, cfg.train.grad_accum
+        self.group = self.world * self.accum  # packed rows per optimizer step
+        self.dtype = train_dtype(device)
+        self.autocast = device.type == "cuda"  # fp32 master weights, bf16 compute (speculators' Trainer does the same)
+        self.last_saved: list[TrainingState] = []
+        # train.export best: the best evaluation so far (every rank holds it: evaluations are all-reduced), its
+        # checkpoint saved when it is made and never pruned
+        self.best: list = on_rank0(ranks, lambda: _best_so_far(self.dd))  # [step, acceptance length] or []
+        # samples a read check skipped (train_data.SkippedFile): listed in skipped.jsonl, and past --max-error-share
+        # of an epoch's samples (trained and held out, the share 02 and the online source take) the run stops
+        self.skips = SkippedSamples(self.dd.train_skipped, ranks, device, skipped_before)
+        self.epoch_samples = epoch_samples
+        self.allowed = errors_allowed(cfg.extract.max_error_share, epoch_samples)
+        s, t = cfg.shared, cfg.train
+        self.progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
+                                  desc="Training", errors_label="skipped samples", show_zero_errors=False)
+                         if ranks.main else None)
+        self.metrics_log = (MetricsLog(self.dd.train_metrics, t.report_to, self.dd.train_reports, t.report_project,
+                                       Path(cfg.data_dir).resolve().name, cfg.to_dict(),
+                                       resumed_step=state.step if resumed else None, step=state.step)
+                            if ranks.main else None)
+        self.tokens_seen, self.t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
+        self.waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
+        self.window, self.window_steps = None, 0  # this rank's metric sums since the last log line (the logged
+        # figures are their means) and the steps they span (after a resume, the steps since the checkpoint)
+
+    def run(self) -> tuple[TrainingState, dict[str, int]]:
+        """Trains every planned epoch (to --max-steps), then saves the end-of-run checkpoint."""
+        self.model.train()
+        try:
+            for epoch in range(self.state.epoch, self.cfg.train.epochs):
+                if self.train_epoch(epoch):
+                    break
+        except SourceStopped as e:
+            self.stop_for_source(e)
+        finally:
+            self.close()
+        if self.last_saved != [self.state]:
+            self.save(self.state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
+        counts = {"trained": sum(self.skips.trained.values()), "held_out": sum(self.skips.held_out.values())}
+        return self.state, counts
+
+    def train_epoch(self, epoch: int) -> bool:
+        """This rank's steps of ``epoch`` from the state's on, then the epoch's record; True when --max-steps ended
+        the run inside it (no epoch record then)."""
+        from .train_data import device_batches
+
+        rows = self.epoch_batches[epoch]
+        start = self.state.batches_done if epoch == self.state.epoch else 0
+        trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
+        not_given = 0  # samples of those rows the reader did not give (skipped, or online: failed)
+        batches = device_batches(self.source.epoch(epoch, self.plans[epoch].rows), self.device, self.dtype,
+                                 self.waited)
+        for step_in_epoch in range(start, self.steps_per_epoch[epoch]):
+            present = min(self.group, len(rows) - step_in_epoch * self.group)  # rows in this step, over all ranks
+            agree_stop(self.source, self.ranks)
+            given, lr_used = self.train_step(batches, epoch, (step_in_epoch - start) * self.accum, present, trained)
+            not_given += given
+            if self.after_step(epoch, step_in_epoch, lr_used):
+                return True
+        self.end_epoch(epoch, rows, start, trained, not_given, batches)
+        return False
+
+    def train_step(self, batches, epoch: int, first: int, present: int, trained: list[int]) -> tuple[int, float]:
+        """One optimizer step over this rank's micro-steps ``first`` .. ``first + grad_accum - 1`` of the epoch's
+        plan; appends the positions trained to ``trained``. (samples the reader did not give, learning rate used)."""
+        s, t, world = self.cfg.shared, self.cfg.train, self.world
+        plan, net, model = self.plans[epoch].plan, self.net, self.model
+        not_given = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(self.accum):
+            batch, gpu = next(batches)
+            position, real = plan[first + micro]
+            if real:
+                self.skips.add(batch, epoch, self.state.step + 1)
+                not_given += int(batch.get("error_records", 0))
+            if t.hidden_noise_std:
+                gpu = add_hidden_noise(gpu, t.hidden_noise_std, row_seed(s.seed, epoch, position))
+            # the step's gradient is the mean over its rows of each row's gradient: DDP averages over
+            # ranks, so each rank scales its rows by world / rows present (0 for a placeholder row)
+            weight = world / present if real else 0.0
+            last = micro == self.accum - 1  # gradients are all-reduced once a step, after the last micro-step
+            with nullcontext() if last or net is model else net.no_sync():
+                with self.family.row_rng(epoch, position), \
+                        torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    _, loss, metrics = net(**gpu, **self.call_kwargs)
+                (loss * weight).backward()
+            if real:
+                trained.append(position)
+                self.tokens_seen += int((batch["document_ids"] != -1).sum())
+                self.window = add_metrics(self.window, metrics, self.keys)
+        if t.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+        lr_used = self.optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.source.step_done()
+        return not_given, lr_used
+
+    def after_step(self, epoch: int, step_in_epoch: int, lr_used: float) -> bool:
+        """The step's bookkeeping: the state moves on; the log line, evaluation and checkpoint due at it; the
+        --max-error-share check. True when --max-steps is reached."""
+        t, ranks = self.cfg.train, self.ranks
+        state = self.state = TrainingState(step=self.state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1,
+                                           seed=self.seed)
+        self.window_steps += 1
+        logged = state.step % t.log_every == 0 or state.step == self.cap
+        saving = state.step % t.checkpoint_every == 0
+        evaluating = state.step in self.plans[epoch].eval_steps
+        if not ranks.distributed or logged or saving:  # under torchrun, a collective: at steps all share
+            self.skips.sync()
+        if logged:
+            self.log_step(epoch, lr_used)
+        if evaluating:
+            ev = self.evaluate(epoch, state.step)
+            if not self.best or ev[ACCEPTANCE_KEY] > self.best[1]:
+                self.best[:] = [state.step, ev[ACCEPTANCE_KEY]]
+                if t.export == "best":
+                    saving = True  # the best evaluation's weights: train.export best exports them
+        if self.progress is not None:
+            self.progress.errors = sum(self.skips.trained.values()) + sum(self.skips.held_out.values())
+            self.progress.update(1)
+        if saving:
+            self.save(state)
+        self.stop_past_share(epoch, state)
+        return bool(t.max_steps and state.step >= t.max_steps)
+
+    def log_step(self, epoch: int, lr_used: float) -> None:
+        """The means over every row since the last log line, pooled over ranks: metrics.jsonl, trackers, progress."""
+        totals, (tokens_all,) = reduce_metrics(self.window, self.keys, self.device, [self.tokens_seen],
+                                               self.ranks.distributed)
+        row = self.family.summarize(totals)
+        rate = tokens_all / max(time.monotonic() - self.t0, 1e-9)
+        if self.ranks.main:
+            self.metrics_log.write({"kind": "train", "step": self.state.step, "epoch": epoch,
+                                    "lr": lr_used, "tokens_per_s": rate,
+                                    "tokens": int(tokens_all), "elapsed_s": time.monotonic() - self.t0,
+                                    "loader_wait_s": self.waited.get("loader_wait_s", 0.0),
+                                    "skipped_samples": sum(self.skips.trained.values()),
+                                    "rows": int(totals["loss_total"]), "window_steps": self.window_steps, **row})
+            self.progress.set_fields(**self.family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
+        self.window, self.window_steps = None, 0
+
+    def end_epoch(self, epoch: int, rows: list, start: int, trained: list[int], not_given: int, batches) -> None:
+        """The epoch's record (every packed row trained once, over every rank), then the state at the next epoch."""
+        ranks, world = self.ranks, self.world
+        next(batches, None)  # lets the loader's epoch end (the plan held exactly its batches)
+        self.skips.sync()
+        per_rank = [(trained, not_given)]
+        if ranks.distributed:
+            import torch.distributed as dist
+
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, (trained, not_given))
+        extra = self.source.epoch_record(epoch)  # every rank: online, it gathers every rank's counts
+        if ranks.main:
+            record = check_rows_trained([r for r, _ in per_rank], rows, start, self.group, epoch)
+            # the samples trained: those packed less those the reader did not give (skipped.jsonl lists the
+            # ones a read check skipped; online, online_errors.jsonl the ones never extracted)
+            packed = record["samples"]
+            record.update(samples=packed - sum(n for _, n in per_rank), packed_samples=packed,
+                          skipped_samples=self.skips.listed_this_run[epoch])
+            self.metrics_log.write(record)
+            if extra is not None:
+                self.metrics_log.write(extra)
+            log.info("epoch %d: %d packed rows trained (%d samples%s), each once, over %d rank%s (%s rows each); "
+                     "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"],
+                     f", {packed - record['samples']} not given by the reader" if packed > record["samples"]
+                     else "", world, "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])),
+                     record["from_row"], len(rows) - record["from_row"])
+        self.stop_past_share(epoch, self.state)
+        self.state = TrainingState(step=self.state.step, epoch=epoch + 1, batches_done=0, seed=self.seed)
+
+    def evaluate(self, epoch: int, step: int) -> dict:
+        """The held-out rows evaluated after optimizer step ``step`` (each rank its share, the sums all-reduced):
+        its record in metrics.jsonl and the trackers, and curves.png redrawn."""
+        from .train_data import device_batches
+
+        ranks, world, family = self.ranks, self.world, self.family
+
+        def held_out(batches):
+            for host, on_device in batches:
+                self.skips.add(host, epoch, step, held_out=True)
+                yield host, on_device
+
+        batches = held_out(device_batches(self.source.evaluation(epoch, step), self.device, self.dtype))
+        ev_sums = evaluate_sums(self.model, batches, self.autocast, self.call_kwargs, self.keys, self.device,
+                                # this rank's i-th held-out row is row rank + i x world
+                                row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))
+        ev = family.summarize(reduce_metrics(ev_sums, self.keys, self.device, (), ranks.distributed)[0])
+        self.skips.sync()
+        if ranks.main:
+            self.metrics_log.write({"kind": "eval", "step": step, "epoch": epoch,
+                                    "skipped_samples": self.skips.held_out[epoch], **ev})
+            log.info("eval after step %d (epoch %d): %s", step, epoch + 1,
+                     ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if not k.endswith("_tokens")))
+            family.plot(self.dd.train_metrics, self.dd.train_curves)
+        return ev
+
+    def save(self, at: TrainingState) -> None:
+        """A checkpoint of ``at`` (rank 0 writes it, after checking the free space), the old ones pruned."""
+        dd, t = self.dd, self.cfg.train
+
         def write() -> None:
             folder = dd.checkpoint_step(at.step)
-            model_state, opt_state = draft_state(model), optimizer.state_dict()
+            model_state, opt_state = draft_state(self.model), self.optimizer.state_dict()
             dd.checkpoints.mkdir(parents=True, exist_ok=True)
             check_free_space(dd.checkpoints, _checkpoint_bytes(model_state, opt_state), t.min_free_gb)
-            save_train_checkpoint(folder, model_state, opt_state, scheduler.state_dict(), at)
+            save_train_checkpoint(folder, model_state, opt_state, self.scheduler.state_dict(), at)
             log.info("checkpoint %s", folder)
-            protect = frozenset(best[:1]) if t.export == "best" else frozenset()
+            protect = frozenset(self.best[:1]) if t.export == "best" else frozenset()
             for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints, protect):
                 log.info("deleted %s (train.keep_checkpoints %d)", gone, t.keep_checkpoints)
 
-        on_rank0(ranks, write)
-        last_saved[:] = [at]
+        on_rank0(self.ranks, write)
+        self.last_saved[:] = [at]
 
-    # samples a read check skipped (train_data.SkippedFile): listed in skipped.jsonl, and past --max-error-share of
-    # an epoch's samples (trained and held out, the share 02 and the online source take) the run stops
-    skips = SkippedSamples(dd.train_skipped, ranks, device, skipped_before)
-    epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
-    allowed = errors_allowed(cfg.extract.max_error_share, epoch_samples)
-
-    def stop_past_share(epoch: int, at: TrainingState) -> None:
+    def stop_past_share(self, epoch: int, at: TrainingState) -> None:
         """Past the share (global counts, as of the last sync: every rank decides alike): checkpoint ``at``, stop."""
-        skipped = skips.in_epoch(epoch)
+        dd, cfg, epoch_samples, allowed = self.dd, self.cfg, self.epoch_samples, self.allowed
+        t = cfg.train
+        skipped = self.skips.in_epoch(epoch)
         if skipped <= allowed:
             return
-        if last_saved != [at]:
-            save(at)
-        again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
+        if self.last_saved != [at]:
+            self.save(at)
+        again = "the same torchrun command with" if self.ranks.distributed else "04_train.py with the same flags and"
         fix = ("--resume reads them again from files extracted anew" if t.data_source == "online" else
                "or rebuild hidden_states/ (02_extract_hidden_states.py --overwrite) and start over (--overwrite)")
         need = math.ceil(skipped / epoch_samples * 1e4) / 1e4  # the smallest share (4 decimals) that allows them
@@ -1008,166 +1043,31 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
                          f"{at.step}): to train on without them rerun {again} --resume --max-error-share {need:g}; "
                          f"{fix}")
 
-    def evaluate(epoch: int, step: int) -> dict:
-        """The held-out rows evaluated after optimizer step ``step`` (each rank its share, the sums all-reduced):
-        its record in metrics.jsonl and the trackers, and curves.png redrawn."""
-        def held_out(batches):
-            for host, on_device in batches:
-                skips.add(host, epoch, step, held_out=True)
-                yield host, on_device
-
-        ev_sums = evaluate_sums(model, held_out(device_batches(source.evaluation(epoch, step), device, dtype)),
-                                autocast, call_kwargs, keys, device,  # this rank's i-th held-out row is row
-                                row_rng=lambda i: family.row_rng("eval", ranks.rank + i * world))  # rank + i x world
-        ev = family.summarize(reduce_metrics(ev_sums, keys, device, (), ranks.distributed)[0])
-        skips.sync()
-        if ranks.main:
-            metrics_log.write({"kind": "eval", "step": step, "epoch": epoch,
-                               "skipped_samples": skips.held_out[epoch], **ev})
-            log.info("eval after step %d (epoch %d): %s", step, epoch + 1,
-                     ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if not k.endswith("_tokens")))
-            family.plot(dd.train_metrics, dd.train_curves)
-        return ev
-
-    progress = (Progress(cap, unit="steps", every_s=s.progress_every_s, logger=log, initial=state.step,
-                         desc="Training", errors_label="skipped samples", show_zero_errors=False)
-                if ranks.main else None)
-    metrics_log = (MetricsLog(dd.train_metrics, t.report_to, dd.train_reports, t.report_project,
-                              Path(cfg.data_dir).resolve().name, cfg.to_dict(),
-                              resumed_step=state.step if resume_from is not None else None, step=state.step)
-                   if ranks.main else None)
-    model.train()
-    tokens_seen, t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
-    waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
-    window, window_steps = None, 0  # this rank's metric sums since the last log line (the logged figures are their
-    # means) and the steps they span (after a resume, the steps since the checkpoint)
-    stopped = False
-    try:
-        for epoch in range(state.epoch, t.epochs):
-            rows = epoch_batches[epoch]
-            start = state.batches_done if epoch == state.epoch else 0
-            plan = plans[epoch].plan
-            trained: list[int] = []  # positions of the packed rows this rank trained in this epoch
-            not_given = 0  # samples of those rows the reader did not give (skipped, or online: failed)
-            batches = device_batches(source.epoch(epoch, plans[epoch].rows), device, dtype, waited)
-            for step_in_epoch in range(start, steps_per_epoch[epoch]):
-                present = min(group, len(rows) - step_in_epoch * group)  # rows in this step, over all ranks
-                agree_stop(source, ranks)
-                optimizer.zero_grad(set_to_none=True)
-                for micro in range(accum):
-                    batch, gpu = next(batches)
-                    position, real = plan[(step_in_epoch - start) * accum + micro]
-                    if real:
-                        skips.add(batch, epoch, state.step + 1)
-                        not_given += int(batch.get("error_records", 0))
-                    if t.hidden_noise_std:
-                        gpu = add_hidden_noise(gpu, t.hidden_noise_std, row_seed(s.seed, epoch, position))
-                    # the step's gradient is the mean over its rows of each row's gradient: DDP averages over
-                    # ranks, so each rank scales its rows by world / rows present (0 for a placeholder row)
-                    weight = world / present if real else 0.0
-                    last = micro == accum - 1  # gradients are all-reduced once a step, after the last micro-step
-                    with nullcontext() if last or net is model else net.no_sync():
-                        with family.row_rng(epoch, position), \
-                                torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                            _, loss, metrics = net(**gpu, **call_kwargs)
-                        (loss * weight).backward()
-                    if real:
-                        trained.append(position)
-                        tokens_seen += int((batch["document_ids"] != -1).sum())
-                        window = add_metrics(window, metrics, keys)
-                if t.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-                lr_used = optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
-                optimizer.step()
-                scheduler.step()
-                source.step_done()
-                state = TrainingState(step=state.step + 1, epoch=epoch, batches_done=step_in_epoch + 1, seed=s.seed)
-                window_steps += 1
-                logged = state.step % t.log_every == 0 or state.step == cap
-                saving = state.step % t.checkpoint_every == 0
-                evaluating = state.step in plans[epoch].eval_steps
-                if not ranks.distributed or logged or saving:  # under torchrun, a collective: at steps all share
-                    skips.sync()
-                if logged:  # the means over every row since the last log line, pooled over ranks
-                    totals, (tokens_all,) = reduce_metrics(window, keys, device, [tokens_seen], ranks.distributed)
-                    row = family.summarize(totals)
-                    rate = tokens_all / max(time.monotonic() - t0, 1e-9)
-                    if ranks.main:
-                        metrics_log.write({"kind": "train", "step": state.step, "epoch": epoch,
-                                           "lr": lr_used, "tokens_per_s": rate,
-                                           "tokens": int(tokens_all), "elapsed_s": time.monotonic() - t0,
-                                           "loader_wait_s": waited.get("loader_wait_s", 0.0),
-                                           "skipped_samples": sum(skips.trained.values()),
-                                           "rows": int(totals["loss_total"]), "window_steps": window_steps, **row})
-                        progress.set_fields(**family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
-                    window, window_steps = None, 0
-                if evaluating:
-                    ev = evaluate(epoch, state.step)
-                    if not best or ev[ACCEPTANCE_KEY] > best[1]:
-                        best[:] = [state.step, ev[ACCEPTANCE_KEY]]
-                        if t.export == "best":
-                            saving = True  # the best evaluation's weights: train.export best exports them
-                if progress is not None:
-                    progress.errors = sum(skips.trained.values()) + sum(skips.held_out.values())
-                    progress.update(1)
-                if saving:
-                    save(state)
-                stop_past_share(epoch, state)
-                if t.max_steps and state.step >= t.max_steps:
-                    stopped = True
-                    break
-            if stopped:
-                break
-            next(batches, None)  # lets the loader's epoch end (the plan held exactly its batches)
-            skips.sync()
-            per_rank = [(trained, not_given)]
-            if ranks.distributed:
-                import torch.distributed as dist
-
-                per_rank = [None] * world
-                dist.all_gather_object(per_rank, (trained, not_given))
-            extra = source.epoch_record(epoch)  # every rank: online, it gathers every rank's counts
-            if ranks.main:
-                record = check_rows_trained([r for r, _ in per_rank], rows, start, group, epoch)
-                # the samples trained: those packed less those the reader did not give (skipped.jsonl lists the
-                # ones a read check skipped; online, online_errors.jsonl the ones never extracted)
-                packed = record["samples"]
-                record.update(samples=packed - sum(n for _, n in per_rank), packed_samples=packed,
-                              skipped_samples=skips.listed_this_run[epoch])
-                metrics_log.write(record)
-                if extra is not None:
-                    metrics_log.write(extra)
-                log.info("epoch %d: %d packed rows trained (%d samples%s), each once, over %d rank%s (%s rows each); "
-                         "the packing's rows from row %d: %d", epoch + 1, record["rows"], record["samples"],
-                         f", {packed - record['samples']} not given by the reader" if packed > record["samples"]
-                         else "", world, "s" if world > 1 else "", "/".join(map(str, record["rows_per_rank"])),
-                         record["from_row"], len(rows) - record["from_row"])
-            stop_past_share(epoch, state)
-            state = TrainingState(step=state.step, epoch=epoch + 1, batches_done=0, seed=s.seed)
-    except SourceStopped as e:
-        if metrics_log is not None:
-            metrics_log.close()
-            metrics_log = None
+    def stop_for_source(self, e: SourceStopped) -> None:
+        """The source cannot go on: the last finished step (every rank's) is saved and the run stops naming --resume;
+        under torchrun, a stop the ranks did not agree on cannot save (the others are mid-step)."""
+        dd, ranks, state = self.dd, self.ranks, self.state
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+            self.metrics_log = None
         if ranks.distributed and not e.agreed:  # a save is a collective the other ranks, mid-step, would never
             # join: torchrun ends them
             raise StageError(f"{e}. The newest checkpoint in {dd.checkpoints} is the resume point: rerun the same "
                              "torchrun command with --resume once a server answers") from None
-        skips.sync()  # every rank stops here (agreed): the samples of the steps kept are listed
-        save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
+        self.skips.sync()  # every rank stops here (agreed): the samples of the steps kept are listed
+        self.save(state)  # the last finished step (every rank's): nothing of the unfinished one was applied
         again = "the same torchrun command with" if ranks.distributed else "04_train.py with the same flags and"
         raise StageError(f"{e}. Checkpoint {dd.checkpoint_step(state.step)} (step {state.step}): rerun {again} "
                          "--resume once a server answers") from None
-    finally:
-        source.close()
-        skips.close()
-        if metrics_log is not None:
-            metrics_log.close()
-        if progress is not None:
-            progress.close()
-    if last_saved != [state]:
-        save(state)  # the end-of-run checkpoint (also records that the last epoch's eval is done)
-    counts = {"trained": sum(skips.trained.values()), "held_out": sum(skips.held_out.values())}
-    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, world, counts))
+
+    def close(self) -> None:
+        """The source's threads and servers, the skipped list, metrics.jsonl and the progress line."""
+        self.source.close()
+        self.skips.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        if self.progress is not None:
+            self.progress.close()
 
 
 def _best_so_far(dd: DataDir) -> list:

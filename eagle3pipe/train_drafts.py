@@ -22,7 +22,8 @@ import torch
 
 from .cli import StageError
 from .config import PipelineConfig
-from .records import DataDir, load_vocab_mapping, load_vocab_summary
+from .records import DataDir
+from .records_vocab import load_vocab_mapping, load_vocab_summary
 from .train_metrics import (
     dflash_metric_keys,
     metric_keys,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .records import JsonlAppender, SkippedSample, read_jsonl
+from .records import JsonlAppender, read_jsonl
+from .records_checkpoints import SkippedSample
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +273,9 @@ class MetricsLog:
 
 class SkippedSamples:
     """The samples the reader skipped (a states file that failed a read check: ``train_data.SkippedFile``), each
-    listed in checkpoints/skipped.jsonl (``records.SkippedSample``) and counted per epoch over every rank. Each rank
-    collects what it read (``add``); ``sync`` hands them to rank 0, which writes them, and gives every rank the
-    global counts. Under torchrun ``sync`` is a collective: every rank calls it at the same steps."""
+    listed in checkpoints/skipped.jsonl (``records_checkpoints.SkippedSample``) and counted per epoch over every
+    rank. Each rank collects what it read (``add``); ``sync`` hands them to rank 0, which writes them, and gives every
+    rank the global counts. Under torchrun ``sync`` is a collective: every rank calls it at the same steps."""
 
     def __init__(self, path: Path, ranks, device: torch.device, before: list[SkippedSample]):
         self.ranks, self.device = ranks, device

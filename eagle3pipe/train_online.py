@@ -69,6 +69,17 @@ from .records import (
     tmp_path_for,
     write_jsonl_atomic,
 )
+from .train_batches import (
+    BatchSource,
+    SourceStopped,
+    check_lengths_fit,
+    datasets_without_video,
+    held_out_split,
+    make_collate,
+    packed_batches,
+    states_reader,
+    train_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +104,12 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
 
 def build_online_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, held-out dataset or None, manifest) as ``train.build_data`` returns them, over the rows
-    dataset of every input row split as offline (``train.held_out_split``: the last eval_fraction of the rows are
-    held out); each dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
+    dataset of every input row split as offline (``train_batches.held_out_split``: the last eval_fraction of the rows
+    are held out); each dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
     from .extract import read_rows
-    from .train import _datasets_without_video, check_lengths_fit, held_out_split, states_reader, train_dtype
     from .verifier import load_text_config
 
-    _datasets_without_video()
+    datasets_without_video()
     dd = DataDir(cfg.data_dir)
     src, rows = read_rows(cfg)
     text, _ = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)
@@ -215,8 +225,8 @@ class Slot:
         return [] if self.repeat else sorted(i for i, (_, is_open) in self.failed.items() if is_open)
 
 
-class OnlineBatches:
-    """The data-source seam, online (``train.OfflineBatches``' methods): a prefetcher thread fills the spool with
+class OnlineBatches(BatchSource):
+    """The data-source seam, online (``train_batches.BatchSource``): a prefetcher thread fills the spool with
     the states of this rank's next packed rows, the whole run's plan queued in order (``plan``: each epoch's rows,
     then its held-out rows), so it keeps filling across epoch boundaries; ``epoch`` and ``evaluation`` hand out each
     row packed by the offline collate once its files are there; ``step_done`` deletes the files of the step just
@@ -224,8 +234,6 @@ class OnlineBatches:
 
     def __init__(self, cfg: PipelineConfig, dataset, manifest: HiddenStatesManifest, ranks, device: torch.device,
                  val_dataset=None, eval_rows: list[list[int]] = ()):
-        from .train import make_collate
-
         self.cfg, self.dataset, self.manifest, self.ranks = cfg, dataset, manifest, ranks
         self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
@@ -412,8 +420,6 @@ class OnlineBatches:
             return [[] for _ in range(self.ranks.world)]
         if self.ranks.world == 1:
             return [self.eval_rows]
-        from .train import packed_batches
-
         packing = packed_batches(self.val_dataset, self.cfg.train.total_seq_len, self.cfg.shared.seed, 0)
         out = [packing[r::self.ranks.world] for r in range(self.ranks.world)]
         assert out[self.ranks.rank] == [list(r) for r in self.eval_rows], "the held-out rows differ from make_batches'"
@@ -514,8 +520,6 @@ class OnlineBatches:
             return None
         self._list_failures(slot, counts)
         if slot.open_failures:
-            from .train import SourceStopped
-
             raise SourceStopped(self._stop_message(slot))
         slot.dataset.transfer.hidden_states_path = slot.folder  # the reader's folder: this row's files
         batch = self.collate([slot.dataset[i] for i in slot.samples])  # [1, total_seq_len, ...] as offline

@@ -27,14 +27,13 @@ from .records import (
     DataDir,
     FormatError,
     TrainingRow,
-    VocabSummary,
     check_synthetic_finished,
     open_row_index,
     read_jsonl,
     read_provenance,
-    save_vocab,
     write_provenance,
 )
+from .records_vocab import VocabSummary, save_vocab
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
     if prov and prov.get("config_hash") == config_hash and dd.vocab_summary.exists() and all(
             prov.get("counts", {}).get(k) == v for k, v in fingerprint.items()):
         log.info("vocab/ is up to date with %s and this config: skipping (delete %s to redo)", path, dd.vocab)
-        from .records import load_vocab_summary
+        from .records_vocab import load_vocab_summary
 
         return load_vocab_summary(dd.vocab_summary)
 

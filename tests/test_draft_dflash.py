@@ -17,9 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle3pipe.config import load_config
 from eagle3pipe.extract import run_extract
-from eagle3pipe.records import DataDir, load_hidden_states, load_hs_manifest, load_vocab_summary, read_jsonl
+from eagle3pipe.records import DataDir, load_hidden_states, load_hs_manifest, read_jsonl
+from eagle3pipe.records_vocab import load_vocab_summary
 from eagle3pipe.server import default_vllm_python
-from eagle3pipe.train import build_data, make_loader, packed_batches, run_train, EpochBatches
+from eagle3pipe.train import build_data, run_train
+from eagle3pipe.train_batches import EpochBatches, make_loader, packed_batches
 from eagle3pipe.train_data import device_batches
 from eagle3pipe.verifier import AuxStateCapture, load_text_model
 from eagle3pipe.vocab import run_vocab

@@ -14,8 +14,9 @@ from eagle3pipe.cli import StageError
 from eagle3pipe.eval_sets import KNOWN_SETS, choose, load_chat_prompts, load_eval_set, load_eval_sets
 from eagle3pipe.acceptance import spec_decode_delta
 from eagle3pipe.evaluate import plot_acceptance
-from eagle3pipe.records import DataDir, FormatError, check_eval_report, load_eval_report, save_eval_report
-from eagle3pipe.server import ServerMetrics, parse_prometheus_text
+from eagle3pipe.records import DataDir, FormatError
+from eagle3pipe.records_eval import check_eval_report, load_eval_report, save_eval_report
+from eagle3pipe.vllm_client import ServerMetrics, parse_prometheus_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,8 @@ from eagle3pipe.evaluate import run_evaluate
 from eagle3pipe.extract import run_extract
 from eagle3pipe.generate import run_generate
 from eagle3pipe.prepare import run_prepare
-from eagle3pipe.records import DataDir, load_eval_report
+from eagle3pipe.records import DataDir
+from eagle3pipe.records_eval import load_eval_report
 from eagle3pipe.toy_reasoning import write_chat_datasets
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
@@ -130,7 +131,7 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
                                                        monkeypatch):
     import os
 
-    from eagle3pipe.server import API_KEY_ENV
+    from eagle3pipe.vllm_client import API_KEY_ENV
 
     early, trained = early_and_trained_drafts
     key = "k-" + os.urandom(8).hex()

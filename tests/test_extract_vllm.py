@@ -45,7 +45,8 @@ from eagle3pipe.records import (
     load_hs_manifest,
     read_hidden_states_header,
 )
-from eagle3pipe.server import VllmServer, read_metrics
+from eagle3pipe.server import VllmServer
+from eagle3pipe.vllm_client import read_metrics
 from eagle3pipe.verifier import load_text_model
 
 from test_extract import AUX, make_cfg, write_rows
@@ -288,11 +289,11 @@ def test_a_node_with_other_weights_under_the_same_name_gets_no_sample(storage, t
     up then) and it got bulk samples, its states journalled as the Llama's. Now /v1/models is read again and the
     capture check runs on it alone before it gets any: the stage stops, naming it, and it got the check's requests
     only (those with prompt_logprobs)."""
-    from eagle3pipe import server as server_mod
+    from eagle3pipe import vllm_client
 
     from test_server_pool import NodeRelay
 
-    monkeypatch.setattr(server_mod, "PROBE_FIRST_S", 0.05)  # the late node is looked at again at once
+    monkeypatch.setattr(vllm_client, "PROBE_FIRST_S", 0.05)  # the late node is looked at again at once
     rows = write_rows(storage / f"other_weights_{node}", 40, seed=17, min_len=32, max_len=96)
     if node == "restarts":
         relay = NodeRelay(llama_server.url, then=deepseek_server.url, switch_after=6)
@@ -327,7 +328,7 @@ def k25_rows(storage, toy_kimi) -> list[dict]:
     """The release-shaped K2.5 toy's rows through stage 02 with no URL: the stage starts vLLM itself
     (--trust-remote-code, the connector on PYTHONPATH, extract.server_args a list) with $VLLM_API_KEY set, which
     that server then requires and our client sends; states in ``k25_vllm``, the fp32 reference in ``k25_ref``."""
-    from eagle3pipe.server import API_KEY_ENV
+    from eagle3pipe.vllm_client import API_KEY_ENV
 
     before = os.environ.get(API_KEY_ENV)
     os.environ[API_KEY_ENV] = K25_API_KEY

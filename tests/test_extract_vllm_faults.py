@@ -489,7 +489,7 @@ def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_serv
     closed = f"http://127.0.0.1:{free_port()}"
     dying, healthy = StubExtractionServer(die_after=4), StubExtractionServer()
     try:
-        with caplog.at_level(logging.WARNING, logger="eagle3pipe.server"):
+        with caplog.at_level(logging.WARNING, logger="eagle3pipe.vllm_client"):
             manifest = run_extract(_cfg(tmp_path, toy_llama, [closed, dying.url, healthy.url], max_retries=1))
     finally:
         dying.close()

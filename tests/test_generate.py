@@ -39,13 +39,13 @@ from eagle3pipe.records import (
     read_provenance,
     write_jsonl_atomic,
 )
-from eagle3pipe.server import (
+from eagle3pipe.server import free_port
+from eagle3pipe.vllm_client import (
     NoServerAnswers,
     RequestFailed,
     RequestFailure,
     ServerPool,
     api_base,
-    free_port,
     parse_prometheus_text,
     status_failure,
 )
@@ -544,7 +544,7 @@ def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_serv
     with StubServer("ok", die_after=5) as dying, StubServer("ok") as healthy:
         cfg = _config(tmp_path, toy_llama, toy_meta, [closed, dying.url, healthy.url], served_model_name="",
                       concurrency=4, max_retries=1, retry_backoff_s=0.05)
-        with caplog.at_level(logging.WARNING, logger="eagle3pipe.server"):
+        with caplog.at_level(logging.WARNING, logger="eagle3pipe.vllm_client"):
             summary = run_generate(cfg)
         healthy_requests = sum(healthy.requests.values())
     assert summary["finished"] == 40 and summary["errors"] == 0
@@ -638,7 +638,7 @@ def test_01b_whose_only_server_restarts_on_its_port_uses_it_at_once(tmp_path, to
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 01b's transport (server.post_json, aiohttp): each failure mapped onto the openai client's kinds and decisions
+# 01b's transport (vllm_client.post_json, aiohttp): each failure mapped onto the openai client's kinds and decisions
 
 # fault -> (kind, retryable, unreachable: ServerPool sets the server aside); the openai client's column is what
 # classify_request_error and is_connection_failure said for the same reply before 01b left that client
@@ -706,7 +706,7 @@ class FaultStub(DyingStub):
 async def _post_json_outcome(url: str, fault: str, timeout_s: float):
     """What post_json makes of one fault: the reply, or (kind, retryable, unreachable) of its RequestFailed, with
     what ServerPool does with it (set aside or not) and classify_request_error's reading of it."""
-    from eagle3pipe.server import RequestFailed, classify_request_error, make_session, post_json
+    from eagle3pipe.vllm_client import RequestFailed, classify_request_error, make_session, post_json
 
     async with make_session(timeout_s, 4) as session:
         try:
@@ -724,7 +724,7 @@ async def _openai_outcome(url: str, fault: str, timeout_s: float):
     is_connection_failure read it."""
     import openai
 
-    from eagle3pipe.server import classify_request_error, is_connection_failure, make_async_client
+    from eagle3pipe.vllm_client import classify_request_error, is_connection_failure, make_async_client
 
     client = make_async_client(url, timeout_s, max_connections=4)
     try:

@@ -37,7 +37,7 @@ from eagle3pipe.records import (
     read_jsonl,
     write_jsonl_atomic,
 )
-from eagle3pipe.server import read_metrics
+from eagle3pipe.vllm_client import read_metrics
 from eagle3pipe.toy import BPE_VOCAB_SIZE, KIMI_BPE_RANKS, KIMI_SPECIAL_OFFSETS, KIMI_VOCAB_SIZE, MODEL_VOCAB_SIZE
 from eagle3pipe.toy import SPECIAL_TOKENS
 
@@ -345,7 +345,7 @@ def test_01b_starts_and_stops_its_own_server_without_a_url(tmp_path, toy_llama, 
 
     import yaml
 
-    from eagle3pipe.server import API_KEY_ENV
+    from eagle3pipe.vllm_client import API_KEY_ENV
 
     questions = _questions(tmp_path, 6)
     key = "k-" + os.urandom(8).hex()

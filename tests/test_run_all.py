@@ -196,7 +196,8 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
 
     from safetensors.torch import load_file
 
-    from eagle3pipe.records import list_train_checkpoints, read_jsonl
+    from eagle3pipe.records import read_jsonl
+    from eagle3pipe.records_checkpoints import list_train_checkpoints
 
     train = {"device": "cpu", "total_seq_len": 1024, "epochs": 3, "checkpoint_every": 2, "eval_fraction": 0.0,
              "num_workers": 0, "cpu_threads": 1, "log_every": 1, "learning_rate": 3e-3, "draft_num_heads": 4,

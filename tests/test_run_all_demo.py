@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3pipe.records import DataDir, load_eval_report, read_jsonl
+from eagle3pipe.records import DataDir, read_jsonl
+from eagle3pipe.records_eval import load_eval_report
 
 from test_server_lifecycle import _server_group
 from watch import run_watched

@@ -18,15 +18,8 @@ import pytest
 from eagle3pipe import extract_vllm
 from eagle3pipe.cli import StageError
 from eagle3pipe.config import ConfigError, load_config
-from eagle3pipe.server import (
-    API_KEY_ENV,
-    ServerError,
-    ServerPool,
-    check_gpu_memory,
-    default_vllm_python,
-    parse_gpu_processes,
-    parse_gpus,
-)
+from eagle3pipe.server import ServerError, check_gpu_memory, default_vllm_python, parse_gpu_processes, parse_gpus
+from eagle3pipe.vllm_client import API_KEY_ENV, ServerPool
 from eagle3pipe.vllm_internals import (
     OVERRIDDEN_METHODS,
     USED_ATTRIBUTES,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import start_vllm_server
-from eagle3pipe.server import api_base
+from eagle3pipe.vllm_client import api_base
 from eagle3pipe.toy import RELEASE_ROUTER, build_toy_verifier
 
 # Agreement bounds, in nats per prompt token. The llama toy meets them even in bf16 (median 0.009); fp32 MLA+MoE

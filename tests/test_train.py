@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from eagle3pipe import draft
 from eagle3pipe.cli import StageError, run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints, load_hidden_states, read_jsonl
+from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
+from eagle3pipe.records_checkpoints import list_train_checkpoints
 from eagle3pipe.train import build_data, run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import (
@@ -114,7 +115,7 @@ def test_fp8_hidden_states_are_dequantised_and_train(tmp_path, toy_llama):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
 
-    from eagle3pipe.train import EpochBatches, make_loader, packed_batches
+    from eagle3pipe.train_batches import EpochBatches, make_loader, packed_batches
     from eagle3pipe.train_data import device_batches
 
     rows = make_rows(12, seed=5)
@@ -209,7 +210,7 @@ def test_speculators_cuts_a_sample_longer_than_a_packed_row(tmp_path, toy_llama)
     packed alone (its sampler clips the length) and its collate keeps only the first total_seq_len tokens."""
     from speculators.train.data import ArrowDataset
 
-    from eagle3pipe.train import EpochBatches, make_loader, packed_batches
+    from eagle3pipe.train_batches import EpochBatches, make_loader, packed_batches
 
     rows = make_rows(6, seed=20, min_len=30, max_len=50) + make_rows(1, seed=21, min_len=120, max_len=120)
     cfg = _prepare(tmp_path, toy_llama, rows, total_seq_len=64, epochs=1, eval_fraction=0.0)
@@ -390,8 +391,9 @@ def test_the_plan_of_every_epoch_keeps_tens_of_bytes_a_sample():
     import tracemalloc
     from types import SimpleNamespace
 
-    from eagle3pipe.records import TrainingState
-    from eagle3pipe.train import packed_batches, run_plan
+    from eagle3pipe.records_checkpoints import TrainingState
+    from eagle3pipe.train import run_plan
+    from eagle3pipe.train_batches import packed_batches
 
     def kept(n: int) -> int:
         ds = SimpleNamespace(approx_lengths=[8 + i % 9 for i in range(n)])

@@ -30,7 +30,8 @@ import yaml
 from safetensors.torch import load_file
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints, load_train_checkpoint, read_jsonl
+from eagle3pipe.records import DataDir, read_jsonl
+from eagle3pipe.records_checkpoints import list_train_checkpoints, load_train_checkpoint
 from eagle3pipe.train import rank_rows, run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import make_rows, toy_config, write_hidden_states, write_rows

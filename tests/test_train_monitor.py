@@ -20,7 +20,8 @@ from eagle3pipe import draft
 from eagle3pipe.cli import run_stage
 from eagle3pipe.locks import StageLock
 from eagle3pipe.progress import Progress
-from eagle3pipe.records import DataDir, list_train_checkpoints, load_train_checkpoint, read_jsonl, read_provenance
+from eagle3pipe.records import DataDir, read_jsonl, read_provenance
+from eagle3pipe.records_checkpoints import list_train_checkpoints, load_train_checkpoint
 from eagle3pipe.train import add_hidden_noise, run_train, train_log_name
 from eagle3pipe.train_metrics import ACCEPTANCE_KEY, simulated_acceptance_length
 from eagle3pipe.vocab import run_vocab
@@ -118,13 +119,13 @@ def expected_scalars(records: list[dict]) -> dict[tuple[str, int], float]:
 def monitored(toy_llama, tmp_path_factory):
     """One run: tensorboard + wandb (offline), a log line every 2 steps, an evaluation every 5 steps, export best;
     plot_curves watched (a spy that calls the real one) to see when curves.png is drawn."""
-    import eagle3pipe.train_drafts as drafts_module  # the draft families draw the curves (train_drafts.plot_curves)
+    import eagle3pipe.train_drafts as train_module  # the draft family draws curves.png (train_drafts.plot_curves)
 
     root = tmp_path_factory.mktemp("monitored")
     cfg = _prepare(root, toy_llama, **MONITORED)
     cfg.shared.progress_every_s = 0.0  # a plain progress line every step (no terminal under pytest)
     drawn = []
-    real_plot = drafts_module.plot_curves
+    real_plot = train_module.plot_curves
 
     def watched(metrics_path, out_png, *args, **kwargs):
         real_plot(metrics_path, out_png, *args, **kwargs)
@@ -141,7 +142,7 @@ def monitored(toy_llama, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_SILENT", "true")
-        mp.setattr(drafts_module, "plot_curves", watched)
+        mp.setattr(train_module, "plot_curves", watched)
         try:
             run_train(cfg)
         finally:

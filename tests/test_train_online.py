@@ -410,7 +410,7 @@ def placeholder_samples(rows: list[dict], seed: int, group: int, epochs: int = 2
     than ``group`` packed rows, each rank without one re-reads the step's first row. From the real packing."""
     from types import SimpleNamespace
 
-    from eagle3pipe.train import packed_batches
+    from eagle3pipe.train_batches import packed_batches
 
     lengths = SimpleNamespace(approx_lengths=[len(r["input_ids"]) for r in rows])
     out = 0
@@ -641,8 +641,9 @@ def test_at_8_ranks_the_shared_cache_extracts_each_sample_once_with_the_real_pac
     import random
     from types import SimpleNamespace
 
-    from eagle3pipe.records import TrainingState
-    from eagle3pipe.train import packed_batches, run_plan
+    from eagle3pipe.records_checkpoints import TrainingState
+    from eagle3pipe.train import run_plan
+    from eagle3pipe.train_batches import packed_batches
     from eagle3pipe.train_online import job_reads, plan_cache
 
     rng = random.Random(0)

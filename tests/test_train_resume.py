@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import DataDir, list_train_checkpoints, read_jsonl
+from eagle3pipe.records import DataDir, read_jsonl
+from eagle3pipe.records_checkpoints import list_train_checkpoints
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import make_rows, toy_config, write_hidden_states, write_rows
@@ -126,7 +127,8 @@ def test_resume_with_max_steps_already_reached_has_nothing_to_do_and_keeps_the_e
     written when it is missing."""
     import torch
 
-    from eagle3pipe.train import build_data, packed_batches
+    from eagle3pipe.train import build_data
+    from eagle3pipe.train_batches import packed_batches
 
     _prepare(tmp_path, toy_llama, make_rows(12, seed=10))
     dd = DataDir(tmp_path)

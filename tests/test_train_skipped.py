@@ -22,17 +22,10 @@ import yaml
 from safetensors.torch import load_file
 
 from eagle3pipe.cli import run_stage
-from eagle3pipe.records import (
-    DataDir,
-    hs_file_metadata,
-    hs_layer_ids,
-    list_train_checkpoints,
-    load_skipped_samples,
-    read_jsonl,
-    read_provenance,
-    save_tensors_atomic,
-)
-from eagle3pipe.train import EpochBatches, build_data, make_loader, packed_batches, run_train
+from eagle3pipe.records import DataDir, hs_file_metadata, hs_layer_ids, read_jsonl, read_provenance, save_tensors_atomic
+from eagle3pipe.records_checkpoints import list_train_checkpoints, load_skipped_samples
+from eagle3pipe.train import build_data, run_train
+from eagle3pipe.train_batches import EpochBatches, make_loader, packed_batches
 from eagle3pipe.train_data import SKIPPED_KEY, SkippedFile
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import TOY_AUX, make_rows, toy_config, write_hidden_states, write_rows
@@ -110,7 +103,7 @@ def test_a_states_file_shorter_than_its_tokens_is_skipped_and_its_row_stays_alig
 
 def test_the_online_source_reads_spool_files_through_the_same_check(tmp_path, toy_llama):
     """The online source's datasets (train_online.build_online_data) read a spool folder's files with the reader
-    offline uses (train.states_reader): a short file there is skipped with the same reason."""
+    offline uses (train_batches.states_reader): a short file there is skipped with the same reason."""
     from eagle3pipe.config import load_config
     from eagle3pipe.train_online import build_online_data
 

@@ -9,7 +9,8 @@ import torch
 
 from eagle3pipe.cli import run_stage
 from eagle3pipe.config import ConfigError
-from eagle3pipe.records import DataDir, load_vocab_counts, load_vocab_mapping, load_vocab_summary
+from eagle3pipe.records import DataDir
+from eagle3pipe.records_vocab import load_vocab_counts, load_vocab_mapping, load_vocab_summary
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import (
     DRAFT_VOCAB,
