@@ -750,8 +750,8 @@ def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser
             elif typing.get_origin(typ) is list:
                 (item_type,) = typing.get_args(typ)
                 # repeatable and multi-valued: --vllm-url A --vllm-url B or --aux-layer-ids 2 30 58
-                group.add_argument(cli_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend", default=None,
-                                   metavar=metavar, help=help_text)
+                group.add_argument(cli_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend",
+                                   default=None, metavar=metavar, help=help_text)
             else:
                 group.add_argument(cli_flag(f.name), dest=dest, type=typ, default=None, metavar=metavar, help=help_text)
     return parser
