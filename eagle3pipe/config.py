@@ -579,12 +579,12 @@ class PipelineConfig:
 # Type checking of YAML values and CLI parsing, generated from the dataclass fields.
 
 
-def _field_types(cls: type) -> dict[str, typing.Any]:
+def field_types(cls: type) -> dict[str, typing.Any]:
     return typing.get_type_hints(cls)
 
 
 def _all_field_types() -> list[tuple[str, typing.Any]]:
-    return [(name, typ) for cls in SECTIONS.values() for name, typ in _field_types(cls).items()]
+    return [(name, typ) for cls in SECTIONS.values() for name, typ in field_types(cls).items()]
 
 
 def _check_value(key: str, value, typ, source: str):
@@ -641,7 +641,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
             if not isinstance(values, dict):
                 raise ConfigError(f"{source}: section '{section}' must be a mapping, got {values!r}")
             obj = getattr(cfg, section)
-            types_ = _field_types(type(obj))
+            types_ = field_types(type(obj))
             for key, value in values.items():
                 if key not in types_:
                     raise ConfigError(
@@ -658,7 +658,7 @@ BORROWED_FLAGS: dict[str, list[tuple[str, str]]] = {"train": [  # 04 online: its
     "vocab": [("train", "draft")]}  # 03 resolves the DFlash mask token for --draft dflash
 
 
-def _flag(name: str) -> str:
+def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -688,7 +688,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _shown_default(f: dataclasses.Field) -> str:
+def shown_default(f: dataclasses.Field) -> str:
     """A field's default as it is written on the command line (lists space-separated, booleans as in YAML)."""
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if isinstance(value, bool):
@@ -735,32 +735,32 @@ def build_parser(stage: str, description: str | None) -> argparse.ArgumentParser
         for f in dataclasses.fields(cls):
             if section not in sections and (section, f.name) not in BORROWED_FLAGS[stage]:
                 continue
-            typ = _field_types(cls)[f.name]
+            typ = field_types(cls)[f.name]
             dest = f"{section}.{f.name}"
             # argparse formats help with %: a literal one is doubled
-            help_text = f"{docs[f.name]} (default: {_shown_default(f)})".replace("%", "%%")
+            help_text = f"{docs[f.name]} (default: {shown_default(f)})".replace("%", "%%")
             metavar = f.name.upper()
             if typ is bool:
-                group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                group.add_argument(cli_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
             elif typ is VllmArgs:
                 # one string split as a shell would; repeated flags add up
-                group.add_argument(_flag(f.name), dest=dest, type=_split_words, action="extend", default=None,
+                group.add_argument(cli_flag(f.name), dest=dest, type=_split_words, action="extend", default=None,
                                    metavar="'FLAGS'", help=help_text)
             elif typing.get_origin(typ) is list:
                 (item_type,) = typing.get_args(typ)
                 # repeatable and multi-valued: --vllm-url A --vllm-url B or --aux-layer-ids 2 30 58
-                group.add_argument(_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend", default=None,
-                                   metavar=metavar, help=help_text)
+                group.add_argument(cli_flag(f.name), dest=dest, type=item_type, nargs="+", action="extend",
+                                   default=None, metavar=metavar, help=help_text)
             else:
-                group.add_argument(_flag(f.name), dest=dest, type=typ, default=None, metavar=metavar, help=help_text)
+                group.add_argument(cli_flag(f.name), dest=dest, type=typ, default=None, metavar=metavar, help=help_text)
     return parser
 
 
 def parse_stage_args(stage: str, argv: list[str] | None = None, description: str | None = None) -> PipelineConfig:
     """Parse ``argv`` for ``stage``: YAML from --config, then flags on top. Validates before returning."""
     argv = _join_flag_values(list(sys.argv[1:] if argv is None else argv),
-                             {_flag(name) for name, typ in _all_field_types() if typ is VllmArgs})
+                             {cli_flag(name) for name, typ in _all_field_types() if typ is VllmArgs})
     args = build_parser(stage, description).parse_args(argv)
     overrides: dict[str, dict] = {}
     for dest, value in vars(args).items():

@@ -33,7 +33,7 @@ RDZV_PORT = 29500  # torchrun's default c10d rendezvous port
 def _printing_api_key():
     """``extract_vllm.serve_command`` refuses a non-loopback host while ``$VLLM_API_KEY`` is unset (it would start an
     open server). Here it only prints the command, which names the variable, never its value: let it print."""
-    from .server import API_KEY_ENV
+    from .vllm_client import API_KEY_ENV
 
     unset = API_KEY_ENV not in os.environ
     if unset:
@@ -52,7 +52,7 @@ def _q(words: list[str]) -> str:
 def two_node(config_path: str, nodes: tuple[str, str]) -> str:
     """The two-node recipe for ``config_path``, as text (shell comments + commands, one block per step)."""
     from .extract_vllm import serve_command
-    from .server import API_KEY_ENV
+    from .vllm_client import API_KEY_ENV
 
     cfg = load_config(config_path)
     config = str(Path(config_path).resolve())

@@ -22,7 +22,7 @@ import sys
 import typing
 from pathlib import Path
 
-from .config import BORROWED_FLAGS, SECTIONS, VllmArgs, _field_types, _flag, _shown_default, field_docs
+from .config import BORROWED_FLAGS, SECTIONS, VllmArgs, field_types, cli_flag, shown_default, field_docs
 from .records import atomic_write_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def _type_name(typ) -> str:
 
 
 def _flag_cell(name: str, typ) -> str:
-    return f"`{_flag(name)}` / `--no-{name.replace('_', '-')}`" if typ is bool else f"`{_flag(name)}`"
+    return f"`{cli_flag(name)}` / `--no-{name.replace('_', '-')}`" if typ is bool else f"`{cli_flag(name)}`"
 
 
 def _cell(text: str) -> str:
@@ -72,13 +72,13 @@ def _cell(text: str) -> str:
 
 def section_table(section: str) -> list[str]:
     cls = SECTIONS[section]
-    docs, types_ = field_docs(cls), _field_types(cls)
+    docs, types_ = field_docs(cls), field_types(cls)
     flagged = section != "plan"  # no stage reads plan: YAML only (run_all.sh --plan)
     head = "| key | flag | type | default | description |" if flagged else "| key | type | default | description |"
     rows = [head, "| --- " * (5 if flagged else 4) + "|"]
     for f in dataclasses.fields(cls):
         cells = [f"`{section}.{f.name}`"] + ([_flag_cell(f.name, types_[f.name])] if flagged else [])
-        cells += [_type_name(types_[f.name]), f"`{_shown_default(f)}`", _cell(docs[f.name])]
+        cells += [_type_name(types_[f.name]), f"`{shown_default(f)}`", _cell(docs[f.name])]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -137,7 +137,7 @@ def generate() -> str:
            "## Which script takes which section", "",
            "| script | flags of the sections |", "| --- | --- |"]
     for script, stage in SCRIPTS.items():
-        parts = [s if s in ("shared", stage) else f"{s} ({', '.join(f'`{_flag(n)}`' for n in names)})"
+        parts = [s if s in ("shared", stage) else f"{s} ({', '.join(f'`{cli_flag(n)}`' for n in names)})"
                  for s, names in script_sections(stage)]
         out.append(f"| `{script}` | {', '.join(f'[{p}](#{p})' if ' ' not in p else p for p in parts)} |")
     out += ["| `run_all.sh` | `--config` (passed to every stage) and its own options: [run_all.sh](#run_allsh) |", ""]

@@ -258,7 +258,7 @@ def test_reference_agrees_with_each_scripts_help(helps):
     """Each door's real --help and the reference name the same flags with the same descriptions."""
     import dataclasses
 
-    from eagle3pipe.config import SECTIONS, _flag, _shown_default, field_docs
+    from eagle3pipe.config import SECTIONS, cli_flag, shown_default, field_docs
     from eagle3pipe.reference import script_sections
 
     reference = (ROOT / "docs/reference.md").read_text()
@@ -273,14 +273,14 @@ def test_reference_agrees_with_each_scripts_help(helps):
         for section, names in script_sections(stage):
             fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
             for name in names:
-                flag, doc = _flag(name), field_docs(SECTIONS[section])[name]
+                flag, doc = cli_flag(name), field_docs(SECTIONS[section])[name]
                 listed |= {flag, "--no-" + flag[2:]} & flags or {flag}
                 row = f"| `{section}.{name}` | "
                 assert row in reference, (script, row)
                 line = next(x for x in reference.splitlines() if x.startswith(row))
                 cell = doc.replace("|", "\\|").replace("<", "&lt;")  # as a markdown table cell
-                assert cell in line and f"`{_shown_default(fields[name])}`" in line, line
-                assert norm(f"{doc} (default: {_shown_default(fields[name])})") in text, (script, flag)
+                assert cell in line and f"`{shown_default(fields[name])}`" in line, line
+                assert norm(f"{doc} (default: {shown_default(fields[name])})") in text, (script, flag)
         assert flags == listed, (script, flags ^ listed)
 
 
