@@ -117,3 +117,41 @@ def vllm_server_k25(toy_kimi, tmp_path_factory):
                                trust_remote_code=True)
     yield server
     server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extraction servers: the toy Llama with our hidden-states connector, started as stage 02 starts one. The same two
+# serve test_extract_vllm.py and test_train_online.py (each file's data dirs in its own folder of one storage), so a
+# worker that runs both files starts them once (issue 30).
+
+
+def running(server: VllmServer) -> VllmServer:
+    """``server``, started again on its port if a drill of an earlier file killed it for good."""
+    if server.proc is None or server.proc.poll() is not None:
+        server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def extraction_storage(tmp_path_factory) -> Path:
+    """The extraction servers' connector storage: they may write anywhere inside it, and only there."""
+    return tmp_path_factory.mktemp("extraction")
+
+
+@pytest.fixture(scope="session")
+def llama_extraction_server(toy_llama, extraction_storage, tmp_path_factory):
+    from test_extract_vllm import start_extraction_server
+
+    server = start_extraction_server(toy_llama, extraction_storage, tmp_path_factory.mktemp("vllm_x_llama"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_extraction_server_b(toy_llama, extraction_storage, tmp_path_factory):
+    """A second server of the same model: a second URL, and the one the fault drills kill (and restart, or not)."""
+    from test_extract_vllm import start_extraction_server
+
+    server = start_extraction_server(toy_llama, extraction_storage, tmp_path_factory.mktemp("vllm_x_llama_b"))
+    yield server
+    server.stop()
