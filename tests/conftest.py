@@ -22,6 +22,11 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # pytest-xdist >= 3.6 hands out --dist loadfile's files by number of tests, most first, unless told not to: then
+    # a 1-test file of 2-4 minutes (test_run_all_demo.py, test_evaluate_vllm.py's 3) went last and one process ran it
+    # alone at the end. Keep the order pytest_collection_modifyitems gives (LONGEST_FILES_FIRST).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -31,10 +36,16 @@ def pytest_configure(config):
 _GPU_NOT_RUN: list[str] = []
 
 
-# ``./test.sh`` runs the suite in 2 processes (pytest-xdist, one file per process at a time): the longest files go
-# first, so that no process is left alone with a 4-minute file at the end.
-LONGEST_FILES_FIRST = ("test_train_online.py", "test_evaluate_vllm.py", "test_toy_reasoning.py", "test_run_all_demo.py",
-                       "test_extract_vllm.py", "test_generate_vllm.py")
+# ``./test.sh`` runs the suite in 2 processes (pytest-xdist, one file per process at a time, each given the next file
+# when it is nearly done): the longest files go first, so that no process is left alone with a 4-minute file at the
+# end. Longest first by the sums of the slowest-80 durations of a full run (2026-12-03, shared 2 cores, seconds):
+# extract_vllm 600, evaluate_vllm 549, generate_vllm 380 (+35 with the server-pool drill moved in), train_online
+# 280, toy_reasoning 274, run_all 253, run_all_demo 249, prepare 192, train_ddp 129, server_lifecycle 116,
+# toy_vllm 91, ops_status 81, train_vllm 75; the rest are under a minute each.
+LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_generate_vllm.py", "test_train_online.py",
+                       "test_toy_reasoning.py", "test_run_all.py", "test_run_all_demo.py", "test_prepare.py",
+                       "test_train_ddp.py", "test_server_lifecycle.py", "test_toy_vllm.py", "test_ops_status.py",
+                       "test_train_vllm.py")
 
 
 def _file_rank(item) -> int:
@@ -104,5 +115,43 @@ def vllm_server_k25(toy_kimi, tmp_path_factory):
     the release is: ``--trust-remote-code``, the kimi_k2 reasoning parser, kimi_k2 tool calls."""
     server = start_vllm_server(toy_kimi, tmp_path_factory.mktemp("vllm_k25"), KIMI_REASONING_ARGS + KIMI_TOOL_ARGS,
                                trust_remote_code=True)
+    yield server
+    server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extraction servers: the toy Llama with our hidden-states connector, started as stage 02 starts one. The same two
+# serve test_extract_vllm.py and test_train_online.py (each file's data dirs in its own folder of one storage), so a
+# worker that runs both files starts them once (issue 30).
+
+
+def running(server: VllmServer) -> VllmServer:
+    """``server``, started again on its port if a drill of an earlier file killed it for good."""
+    if server.proc is None or server.proc.poll() is not None:
+        server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def extraction_storage(tmp_path_factory) -> Path:
+    """The extraction servers' connector storage: they may write anywhere inside it, and only there."""
+    return tmp_path_factory.mktemp("extraction")
+
+
+@pytest.fixture(scope="session")
+def llama_extraction_server(toy_llama, extraction_storage, tmp_path_factory):
+    from test_extract_vllm import start_extraction_server
+
+    server = start_extraction_server(toy_llama, extraction_storage, tmp_path_factory.mktemp("vllm_x_llama"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_extraction_server_b(toy_llama, extraction_storage, tmp_path_factory):
+    """A second server of the same model: a second URL, and the one the fault drills kill (and restart, or not)."""
+    from test_extract_vllm import start_extraction_server
+
+    server = start_extraction_server(toy_llama, extraction_storage, tmp_path_factory.mktemp("vllm_x_llama_b"))
     yield server
     server.stop()

@@ -49,6 +49,7 @@ from eagle3pipe.server import VllmServer
 from eagle3pipe.vllm_client import read_metrics
 from eagle3pipe.verifier import load_text_model
 
+from conftest import running
 from test_extract import AUX, make_cfg, write_rows
 
 pytestmark = pytest.mark.integration
@@ -65,9 +66,12 @@ ROUTER_NEAR_TIE = 0.01
 
 
 @pytest.fixture(scope="module")
-def storage(tmp_path_factory) -> Path:
-    """One folder above every data dir of this module: the servers' connectors may write anywhere inside it."""
-    return tmp_path_factory.mktemp("extract_vllm")
+def storage(extraction_storage) -> Path:
+    """One folder above every data dir of this module, inside the shared extraction servers' storage (conftest); the
+    servers this module starts itself write anywhere inside it."""
+    path = extraction_storage / "extract_vllm"
+    path.mkdir()
+    return path
 
 
 def vllm_cfg(data_dir: Path, verifier: Path, urls: list[str] | None = None, **extract):
@@ -95,18 +99,15 @@ def start_extraction_server(model: Path, storage: Path, log_dir: Path, ids: list
 
 
 @pytest.fixture(scope="module")
-def llama_server(toy_llama, storage, tmp_path_factory):
-    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_llama"))
-    yield server
-    server.stop()
+def llama_server(llama_extraction_server):
+    """The toy Llama's extraction server (conftest: shared with test_train_online.py)."""
+    return running(llama_extraction_server)
 
 
 @pytest.fixture(scope="module")
-def llama_server_b(toy_llama, storage, tmp_path_factory):
+def llama_server_b(llama_extraction_server_b):
     """A second server of the same model: the second URL, and the one the drill kills and restarts."""
-    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_x_llama_b"))
-    yield server
-    server.stop()
+    return running(llama_extraction_server_b)
 
 
 @pytest.fixture(scope="module")
@@ -639,7 +640,7 @@ def test_two_servers_give_the_same_files_as_one(storage, toy_llama, llama_server
         assert torch.equal(load_hidden_states(a)["hidden_states"], load_hidden_states(b)["hidden_states"]), i
 
 
-def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_llama, llama_server,
+def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_llama, llama_server, extraction_storage,
                                                                 tmp_path_factory):
     """Issue 19 item 4. vLLM's example connector lets any client write anywhere (allow_custom_save_path), and its
     default path <storage>/<request id>.safetensors embeds the client's X-Request-Id; a non-string path killed the
@@ -651,18 +652,19 @@ def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_lla
 
     from eagle3pipe.records import read_hidden_states_header
 
+    root = extraction_storage  # the server's storage folder (conftest); this module's ``storage`` lies inside it
     outside = tmp_path_factory.mktemp("outside")
-    escape = "a/../" + os.path.relpath(outside, storage.resolve()) + "/x"  # <storage>/cmpl-a/../../outside/x...
+    escape = "a/../" + os.path.relpath(outside, root.resolve()) + "/x"  # <storage>/cmpl-a/../../outside/x...
     hostile = [
         ({"X-Request-Id": escape}, None),  # the default path, built from the client's request id
         ({}, {"hidden_states_path": str(outside / "hs_0.safetensors")}),  # a path outside
-        ({}, {"hidden_states_path": str(storage / ".." / outside.name / "hs_1.safetensors")}),  # through ..
+        ({}, {"hidden_states_path": str(root / ".." / outside.name / "hs_1.safetensors")}),  # through ..
         ({}, {"hidden_states_path": 12345}),  # not a string: raised inside the scheduler, the engine died
         ({}, {"hidden_states_path": str(storage / "dense_vllm/hidden_states/work/shard_0/done.jsonl")}),  # a journal
-        ({}, {"hidden_states_path": str(storage / "nul\u0000.safetensors")}),
+        ({}, {"hidden_states_path": str(root / "nul\u0000.safetensors")}),
         ({}, {"hidden_states_path": "relative.safetensors"}),
     ]
-    before = sorted(storage.rglob("*"))
+    before = sorted(root.rglob("*"))
     body = {"model": llama_server.served_model_name, "prompt": [5, 6, 7, 8], "max_tokens": 1}
     for headers, params in hostile:
         reply = httpx2.post(llama_server.url + "/v1/completions", headers=headers, timeout=120,
@@ -671,7 +673,7 @@ def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_lla
         kv = reply.json().get("kv_transfer_params") or {}
         assert "hidden_states_path" not in kv and kv["hidden_states_error"].startswith("refused: "), (params, kv)
     assert httpx2.get(llama_server.url + "/health", timeout=30).status_code == 200  # the engine lives on
-    good = storage / "after_refusals.safetensors"
+    good = root / "after_refusals.safetensors"
     reply = httpx2.post(llama_server.url + "/v1/completions", timeout=120, json={
         **body, "kv_transfer_params": {"hidden_states_path": str(good)}}).json()
     assert reply["kv_transfer_params"]["hidden_states_path"] == str(good)
@@ -679,7 +681,7 @@ def test_hostile_requests_write_nothing_and_the_engine_lives_on(storage, toy_lla
     assert read_hidden_states_header(good)[0] == [5, 6, 7, 8]
     good.unlink()
     Path(f"{good}.lock").unlink()
-    assert sorted(storage.rglob("*")) == before and not any(outside.rglob("*"))  # nothing written anywhere
+    assert sorted(root.rglob("*")) == before and not any(outside.rglob("*"))  # nothing written anywhere
 
 
 def test_a_closed_first_url_does_not_stop_the_stage(storage, toy_llama, llama_server):

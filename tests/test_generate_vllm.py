@@ -335,6 +335,30 @@ def test_a_closed_first_url_does_not_stop_01b(tmp_path, vllm_server, toy_llama, 
     assert {r.server for r in load_responses(DataDir(tmp_path).responses)} == {vllm_server.url}
 
 
+def test_01b_leaves_aside_a_node_that_comes_back_serving_another_model(tmp_path, vllm_server, vllm_server_k25,
+                                                                        toy_llama, toy_meta):
+    """01b's only --vllm-url is a node serving the toy Llama; after 4 answers it restarts serving another model (the
+    K2.5 toy, another name). Before, the pool took it back without asking what it serves (it had answered before)
+    and sent it the rest; now it reads /v1/models again, names the node and what it serves, leaves it aside, and
+    01b stops (exit 2) with the rest listed as retryable, none of them sent to the other model."""
+    from test_server_pool import NodeRelay
+
+    questions = _questions(tmp_path, 12)
+    with NodeRelay(vllm_server.url, then=vllm_server_k25.url, switch_after=4) as node:
+        res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [node.url], "--concurrency", "2",
+                                        "--max-retries", "3", "--retry-backoff-s", "1"),
+                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    other, ours = vllm_server_k25.served_model_name, vllm_server.served_model_name
+    assert node.posts[vllm_server_k25.url, False] == 0, res.stderr[-3000:]  # nothing sent to the other model
+    assert f"{node.url} answers again but serves {other}, not {ours}: left aside" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 2, res.stderr[-3000:]
+    dd = DataDir(tmp_path)
+    answered = {r.id for r in load_responses(dd.responses)}
+    errored = {e.id: e for e in load_request_errors(dd.synthetic_errors)}
+    assert len(answered) >= 4 and answered | set(errored) == {q.id for q in questions}
+    assert all(e.kind == "connection" and f"serves {other}, not {ours}" in e.message for e in errored.values())
+
+
 def test_01b_starts_and_stops_its_own_server_without_a_url(tmp_path, toy_llama, toy_meta):
     """Issue 19 item 10: no --vllm-url, generate.server_args set (issue 29: a YAML list, the type server_args has in
     every stage): 01b starts the verifier's server with those flags (the launcher 02/05 use: its log under logs/),

@@ -1,26 +1,22 @@
 """ServerPool with real vLLM CPU servers behind a relay that stands for one node: a node restarted with another model
-(stage 01b, here) or other weights under the same name (stage 02, test_extract_vllm.py) is not taken back as it was
-(issue 26 item 6). ``NodeRelay`` only forwards and drops connections; every answer comes from a real server."""
+(stage 01b, test_generate_vllm.py) or other weights under the same name (stage 02, test_extract_vllm.py) is not taken
+back as it was (issue 26 item 6). ``NodeRelay`` only forwards and drops connections; every answer comes from a real
+server. The drills live beside the servers they use (issue 30: the 01b one moved to test_generate_vllm.py, which
+starts the same two session servers, so that they are not started a second time in another xdist worker)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 
 import httpx2
 import pytest
 
-from eagle3pipe.records import DataDir, load_request_errors, load_responses
-
 from test_generate import StubHTTPServer
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[1]
 DOWN_S = 1.5  # how long a restarting node drops every connection: past the pool's first /health probe (1 s)
 HOLD_MAX_S, HOLD_GRACE_S = 30.0, 1.0  # NodeRelay.hold_bulk_until: the longest wait, and the time to judge a check
 
@@ -107,26 +103,3 @@ class NodeRelay:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def test_01b_leaves_aside_a_node_that_comes_back_serving_another_model(tmp_path, vllm_server, vllm_server_k25,
-                                                                        toy_llama, toy_meta):
-    """01b's only --vllm-url is a node serving the toy Llama; after 4 answers it restarts serving another model (the
-    K2.5 toy, another name). Before, the pool took it back without asking what it serves (it had answered before)
-    and sent it the rest; now it reads /v1/models again, names the node and what it serves, leaves it aside, and
-    01b stops (exit 2) with the rest listed as retryable, none of them sent to the other model."""
-    from test_generate_vllm import _door_argv, _questions
-
-    questions = _questions(tmp_path, 12)
-    with NodeRelay(vllm_server.url, then=vllm_server_k25.url, switch_after=4) as node:
-        res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [node.url], "--concurrency", "2",
-                                        "--max-retries", "3", "--retry-backoff-s", "1"),
-                             cwd=REPO, capture_output=True, text=True, timeout=600)
-    other, ours = vllm_server_k25.served_model_name, vllm_server.served_model_name
-    assert node.posts[vllm_server_k25.url, False] == 0, res.stderr[-3000:]  # nothing sent to the other model
-    assert f"{node.url} answers again but serves {other}, not {ours}: left aside" in res.stderr, res.stderr[-3000:]
-    assert res.returncode == 2, res.stderr[-3000:]
-    dd = DataDir(tmp_path)
-    answered = {r.id for r in load_responses(dd.responses)}
-    errored = {e.id: e for e in load_request_errors(dd.synthetic_errors)}
-    assert len(answered) >= 4 and answered | set(errored) == {q.id for q in questions}
-    assert all(e.kind == "connection" and f"serves {other}, not {ours}" in e.message for e in errored.values())

@@ -54,9 +54,9 @@ from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 
+from conftest import running
 from test_draft_fixtures import DRAFT_VOCAB, TOY_AUX, TOY_HIDDEN, TOY_VOCAB
 from test_extract import write_rows
-from test_extract_vllm import start_extraction_server
 from test_generate import StubHTTPServer
 
 pytestmark = pytest.mark.integration
@@ -66,24 +66,24 @@ BYTES_PER_ROW = ROW_TOKENS * (4 * TOY_HIDDEN * 2 + 8)  # a full packed row's bf1
 
 
 @pytest.fixture(scope="module")
-def storage(tmp_path_factory) -> Path:
-    """The server's connector storage: every data dir of this module lies inside it."""
-    return tmp_path_factory.mktemp("train_online")
+def storage(extraction_storage) -> Path:
+    """Every data dir of this module lies here, inside the extraction servers' connector storage (conftest)."""
+    path = extraction_storage / "train_online"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")
-def server(toy_llama, storage, tmp_path_factory):
-    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_online"))
-    yield server
-    server.stop()
+def server(llama_extraction_server):
+    """The toy Llama's extraction server (conftest: shared with test_extract_vllm.py)."""
+    return running(llama_extraction_server)
 
 
 @pytest.fixture(scope="module")
-def victim(toy_llama, storage, tmp_path_factory):
-    """A second server of the same model, for the drills that SIGKILL it (one restarts it, the last one does not)."""
-    server = start_extraction_server(toy_llama, storage, tmp_path_factory.mktemp("vllm_victim"))
-    yield server
-    server.stop()
+def victim(llama_extraction_server_b):
+    """A second server of the same model, for the drills that SIGKILL it (one restarts it, the last one does not;
+    a later file's fixture starts it again)."""
+    return running(llama_extraction_server_b)
 
 
 def make_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
