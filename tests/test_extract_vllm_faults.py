@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import StageError, StageInterrupted, run_stage
 from eagle3pipe.extract import STAGE, run_extract
 from eagle3pipe.records import (
@@ -607,6 +608,7 @@ def _journalled(data_dir: Path, rows: list[dict], done: int) -> None:
         dd.hs_shard_file(0, i).touch()
 
 
+@in_a_fresh_process
 def test_stage_02_holds_tens_of_bytes_a_row_to_its_first_request_and_through_finalize(tmp_path, toy_llama,
                                                                                        monkeypatch):
     """Issue 27: stage 02 reads the rows through their index (positions and lengths; a row's ids read as it is

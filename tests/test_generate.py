@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.config import ConfigError, load_config
 from eagle3pipe.extract import run_extract
@@ -791,6 +792,7 @@ def _finished_run(data_dir, n: int, unfinished: int) -> list[str]:
     return ids
 
 
+@in_a_fresh_process
 def test_resume_of_many_finished_questions_keeps_tens_of_bytes_a_question(tmp_path, toy_llama, toy_meta):
     """01b's start and resume hold the questions and the finished ids as arrays of 8-byte keys (and the row
     indexes' memory maps), not a Python object per question: what it allocates grows by tens of bytes a question."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe.chat import load_tokenizer, normalize_messages, normalize_tools, question_messages
 from eagle3pipe.chat import tokenize_with_loss_mask
 from eagle3pipe.cli import StageError
@@ -341,6 +342,7 @@ def test_max_samples_is_a_seeded_sample_of_each_dataset(tmp_path, toy_llama, toy
     assert kept(1, "s1")["a"] != got["a"]
 
 
+@in_a_fresh_process
 def test_prepare_keeps_tens_of_bytes_a_row(tmp_path, toy_llama, toy_meta):
     """Stage 01's row handling allocates a few tens of bytes per row at most (the id key of each kept
     conversation), not the rows: rows and questions go to disk as they are rendered."""

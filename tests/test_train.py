@@ -14,6 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe import draft
 from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
@@ -381,6 +382,7 @@ def test_fp8_device_dequantisation_equals_hs_connectors(per_state):
 # -- issue 27: the plan of every epoch as arrays --------------------------------------------------------------------
 
 
+@in_a_fresh_process
 def test_the_plan_of_every_epoch_keeps_tens_of_bytes_a_sample():
     """Issue 27: 04 plans every epoch's packed rows before its first step (``packed_batches`` per epoch, each rank's
     ``run_plan``); they are kept as arrays (``PackedRows``: 8 bytes a sample and a row), not a Python list per row.

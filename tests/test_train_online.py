@@ -47,6 +47,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import StageError
 from eagle3pipe.config import load_config
 from eagle3pipe.extract import run_extract
@@ -1067,6 +1068,7 @@ def test_dflash_online_trains_and_evaluates_as_offline(dflash_runs):
 # -- issue 27: 04 online's start-up keeps the rows' index, not the rows ---------------------------------------------
 
 
+@in_a_fresh_process
 def test_online_start_up_holds_tens_of_bytes_a_row(tmp_path, toy_llama):
     """Issue 27: 04 online's data set-up (``build_online_data``: the input rows, their lengths checked, the rows
     dataset written for speculators' reader, its datasets opened) reads the rows through their index and streams

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import run_stage
 from eagle3pipe.config import ConfigError
 from eagle3pipe.records import DataDir
@@ -97,6 +98,7 @@ def test_door_writes_vocab_and_skips_an_unchanged_rerun(tmp_path, toy_llama, toy
     assert run_stage("vocab", "03_vocab", run_vocab, None, argv + ["--data-dir", str(tmp_path / "none")]) == 2
 
 
+@in_a_fresh_process
 def test_counting_keeps_tens_of_bytes_a_row(tmp_path, toy_llama):
     """Stage 03 streams the rows: what it allocates does not grow with their number (issue 27; it streamed before
     too, this keeps it so)."""
