@@ -324,7 +324,8 @@ def format_costs(cfg: PipelineConfig, costs: RunCosts) -> str:
     where, free = free_bytes(cfg.data_dir)
     lines.append(f"disk: {costs.disk_bytes / GB:.1f} GB needed ({costs.bound_disk_bytes(cfg) / GB:.1f} GB if every "
                  f"row reached max_seq_len), {free / GB:.1f} GB free on {where}")
-    lines.append("rates: the plan section of the config (README, run_all.sh --plan); measure yours with --status")
+    lines.append("rates: the plan section of the config (docs/sizing.md, docs/reference.md#plan); "
+                 "measure yours with --status")
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 @dataclass(frozen=True)
 class KnownSet:
-    """Where a benchmark's questions live on the hub (checked against each dataset card, README 05_evaluate.py)."""
+    """Where a benchmark's questions live on the hub (checked against each dataset card, docs/stages/05_evaluate.md)."""
 
     dataset: str  # Hugging Face dataset id
     config: str | None  # dataset config name (None: the default one)

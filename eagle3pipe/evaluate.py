@@ -81,7 +81,7 @@ ANCHORS = [
     {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
      "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
      "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},
-    # issue 31: a DFlash draft (README 05_evaluate.py); shown only beside a draft measured at its own k
+    # issue 31: a DFlash draft (docs/stages/05_evaluate.md); shown only beside a draft measured at its own k
     {"draft": "z-lab/Kimi-K2.5-DFlash", "target": "Kimi-K2.5", "k": 7,
      "settings": "DFlash block 8 = k 7, thinking on, greedy, 2048 new tokens, concurrency 1, SGLang",
      "acceptance_length": {"mtbench": 3.7, "gsm8k": 5.3, "humaneval": 5.3, "math500": 5.5}},

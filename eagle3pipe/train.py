@@ -613,7 +613,7 @@ def run_train(cfg: PipelineConfig) -> Path:
     before = torch.get_num_threads()
     if device.type == "cpu" and cfg.train.cpu_threads:
         # a toy draft's ops are small: with several threads each op waits for the slowest thread's time slice, and
-        # on a shared 2-core machine a step took 4-6x longer than with one thread (README, demo)
+        # on a shared 2-core machine a step took 4-6x longer than with one thread (docs/install.md, the demo)
         torch.set_num_threads(cfg.train.cpu_threads)
     try:
         return _run_train(cfg, ranks, device)
