@@ -45,6 +45,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,7 @@ from .train_batches import (
     check_lengths_fit,
     datasets_without_video,
     held_out_split,
+    PackedRows,
     make_collate,
     packed_batches,
     states_reader,
@@ -159,29 +161,56 @@ def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]],
                     yield rank, False, p.plan[m][1], p.rows[m]
 
 
-def plan_cache(reads, file_bytes: Callable[[bool, int], tuple[int, int]],
-               budget: int) -> tuple[dict[int, int], list[tuple[int, set[int], set[int]]], int]:
+def cache_owners(reads, file_bytes: Callable[[bool, int], tuple[int, int]], budget: int,
+                 num_files: int) -> tuple[np.ndarray, int]:
     """The cache of the whole job (train.cache_gb, one folder for every rank), from ``job_reads``: the first real row
     to read a sample keeps it (extracts it into the cache) while the upper bounds of the files kept fit in
-    ``budget``, and its rank owns it; every later row that reads it, on any rank (a placeholder row too), reuses it.
-    ``file_bytes(held_out, sample)``: (file index, upper-bound bytes). Returns (owner rank of each file kept, each
-    read's (rank, files it keeps, files it reuses) in ``reads``' order, bytes reserved). Every rank computes the same
-    plan from the same packing, so no rank has to ask another which files the cache will hold."""
-    owners: dict[int, int] = {}
-    roles: list[tuple[int, set[int], set[int]]] = []
+    ``budget``, and its rank owns it; every later row that reads it, on any rank (a placeholder row too), reuses it
+    (``cache_roles``). ``file_bytes(held_out, sample)``: (file index, upper-bound bytes). Returns (owner rank of
+    each file, -1 for a file not kept: int32 [num_files], bytes reserved). Every rank computes the same plan from
+    the same packing, so no rank has to ask another which files the cache will hold."""
+    owners = np.full(num_files, -1, dtype=np.int32)
     reserved = 0
     for rank, held_out, real, samples in reads:
-        keeps, reuses = set(), set()
         for i in samples:
             f, need = file_bytes(held_out, i)
-            if f in owners:
-                reuses.add(f)
-            elif real and reserved + need <= budget:
+            if owners[f] < 0 and real and reserved + need <= budget:
                 owners[f] = rank
-                keeps.add(f)
                 reserved += need
-        roles.append((rank, keeps, reuses))
-    return owners, roles, reserved
+    return owners, reserved
+
+
+def cache_roles(files, rank: int, owners: np.ndarray, seen: np.ndarray) -> tuple[set[int], set[int]]:
+    """One read's part in the cache plan (``cache_owners``), from the owners alone: (files it keeps, files it
+    reuses). The first read of a kept file in the job is its owner's (a placeholder row re-reads its step's first
+    row, read before it in the same step, and a file that did not fit the budget then never fits later), so a
+    rank's first read of a file it owns keeps it and every other read of a kept file reuses it. ``seen``: bool per
+    file, the kept files this rank has read so far, in its order of reads (updated)."""
+    keeps, reuses = set(), set()
+    for f in files:
+        owner = owners[f]
+        if owner < 0:
+            continue
+        if owner == rank and not seen[f]:
+            seen[f] = True
+            keeps.add(f)
+        else:
+            reuses.add(f)
+    return keeps, reuses
+
+
+def plan_cache(reads, file_bytes: Callable[[bool, int], tuple[int, int]],
+               budget: int) -> tuple[dict[int, int], list[tuple[int, set[int], set[int]]], int]:
+    """``cache_owners`` and ``cache_roles`` over a whole job at once, for a look at the plan (the online source asks
+    a row's roles when it makes the row's slot): (owner rank of each file kept, each read's (rank, files it keeps,
+    files it reuses) in ``reads``' order, bytes reserved)."""
+    reads = list(reads)
+    files = [[file_bytes(held_out, i)[0] for i in samples] for _, held_out, _, samples in reads]
+    num_files = 1 + max((f for fs in files for f in fs), default=-1)
+    owners, reserved = cache_owners(reads, file_bytes, budget, num_files)
+    seen = [np.zeros(num_files, dtype=bool) for _ in range(1 + max((r[0] for r in reads), default=0))]
+    roles = [(rank, *cache_roles(fs, rank, owners, seen[rank])) for (rank, *_), fs in zip(reads, files)]
+    return {int(f): int(owners[f]) for f in np.flatnonzero(owners >= 0)}, roles, reserved
 
 
 def _say(path: Path, obj: dict) -> None:
@@ -194,7 +223,9 @@ def _say(path: Path, obj: dict) -> None:
 
 @dataclass
 class Slot:
-    """One packed row of the rank's plan: its samples' files in their own spool folder."""
+    """One packed row of the rank's plan: its samples' files in their own spool folder. Made when the prefetcher
+    reaches the row or the training loop asks for it (``OnlineBatches.slot``), dropped when its files are deleted:
+    the plan itself is the epoch plans' arrays."""
 
     epoch: int
     index: int  # micro-step of the rank's epoch plan (held out: position in the rank's held-out rows)
@@ -216,6 +247,11 @@ class Slot:
     reuses: set[int] = field(default_factory=set)  # file indices it takes from the cache, kept by an earlier row
 
     @property
+    def key(self) -> tuple[int, bool, int, int]:
+        """(epoch, held out, step, index): the row's place in the rank's plan (``OnlineBatches.plan_order``)."""
+        return self.epoch, self.held_out, self.step, self.index
+
+    @property
     def files(self) -> list[int]:
         return [self.dataset.start_file_idx + i for i in self.samples]
 
@@ -227,10 +263,11 @@ class Slot:
 
 class OnlineBatches(BatchSource):
     """The data-source seam, online (``train_batches.BatchSource``): a prefetcher thread fills the spool with
-    the states of this rank's next packed rows, the whole run's plan queued in order (``plan``: each epoch's rows,
-    then its held-out rows), so it keeps filling across epoch boundaries; ``epoch`` and ``evaluation`` hand out each
-    row packed by the offline collate once its files are there; ``step_done`` deletes the files of the step just
-    trained, an evaluation row's files go once it is packed."""
+    the states of this rank's next packed rows, walking the whole run's plan in order (``plan_order``: each epoch's
+    rows, then its held-out rows), so it keeps filling across epoch boundaries; ``epoch`` and ``evaluation`` hand out
+    each row packed by the offline collate once its files are there; ``step_done`` deletes the files of the step
+    just trained, an evaluation row's files go once it is packed. A row's ``Slot`` exists from when the prefetcher
+    reaches it (or the loop asks for it first) until its files are deleted: the spool's window, not the run."""
 
     def __init__(self, cfg: PipelineConfig, dataset, manifest: HiddenStatesManifest, ranks, device: torch.device,
                  val_dataset=None, eval_rows: list[list[int]] = ()):
@@ -238,18 +275,24 @@ class OnlineBatches(BatchSource):
         self.val_dataset, self.eval_rows = val_dataset, list(eval_rows)
         self.dd = DataDir(cfg.data_dir)
         self.collate = make_collate(dataset, cfg)
-        self.planned: dict[int, tuple[list[Slot], dict[int, list[Slot]]]] = {}  # epoch: (its rows, {step: the
-        # held-out rows of the evaluation after that optimizer step})
+        self.plans: dict = {}  # epoch: this rank's EpochPlan (its rows and their flags as arrays: the plan itself)
         self.first_step: dict[int, int] = {}  # epoch: optimizer steps done when it begins
         self.steps_done = 0  # the run's optimizer steps (from the resumed step on)
-        self.current: list[Slot] = []  # the epoch's rows being handed out, and how many were
-        self.handed = 0
+        # the rows' slots, made in the plan's order (``slot``, ``next_planned``): those the prefetcher has reached or
+        # the loop asked for, until their files are deleted; the training loop's ones the prefetcher has not reached
+        self.plan_lock = threading.Lock()
+        self.order: Iterator[tuple[int, bool, int, int]] = iter(())  # the keys of the plan not yet made a slot
+        self.live: dict[tuple[int, bool, int, int], Slot] = {}
+        self.made_early: deque[Slot] = deque()
+        self.current_epoch: int | None = None  # the epoch whose rows are being handed out, its rows, and how many were
+        self.current_rows = self.handed = 0
         # train.cache_gb, one cache for every rank (plan_cache): the rank owning a file extracts it into the cache,
         # every later row reading it (of any rank) links the cached file (checked again) into its folder
         self.cache_budget = int(cfg.train.cache_gb * 1e9)
         self.cache_dir = self.dd.train_spool_cache
         self.cache_reserved = self.cache_on_disk = self.cache_high_water = 0
-        self.cache_owner: dict[int, int] = {}  # file index: the rank that extracts it into the cache
+        self.cache_owner = np.zeros(0, dtype=np.int32)  # file index: the rank that extracts it into the cache, -1
+        self.cache_seen = np.zeros(0, dtype=bool)  # file index: a kept file this rank has read (``cache_roles``)
         self.cache_tried: dict[int, asyncio.Event] = {}  # file index: its first extraction has ended (loop thread)
         self.cache_sizes: dict[int, int] = {}  # file index: the bytes of the file as written and checked (its owner)
         self.cache_locks: dict[int, asyncio.Lock] = {}  # file index: one check or re-extraction at a time
@@ -307,62 +350,142 @@ class OnlineBatches(BatchSource):
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
-    def _slots(self, epoch: int, rows: list[list[int]], held_out: bool, real: list[bool] | None = None,
-               first_step: int = 0, step: int = 0) -> list[Slot]:
-        """``held_out``: the rows of the evaluation after optimizer step ``step``; else the epoch's packed rows from
-        step ``first_step`` on, ``real`` False marking the weight-0 placeholder rows (the plan's flags)."""
-        dataset = self.val_dataset if held_out else self.dataset
-        folder = (lambda rank, _, k: self.dd.train_spool_eval_slot(rank, step, k)) if held_out else \
-            self.dd.train_spool_slot
+    def plan_order(self, epochs) -> Iterator[tuple[int, bool, int, int]]:
+        """The keys (epoch, held out, step, index) of every row the run reads, in the order the loop reads them:
+        each epoch's packed rows (index: micro-step of the epoch plan, step: the run's optimizer step that trains
+        it, 1-based), with the held-out rows of each evaluation (index: position in the rank's held-out rows, step:
+        the step it follows) after the rows of the step it follows (``EpochPlan.eval_steps``). Lazy: made from the
+        epoch plans' arrays as it is walked."""
         accum = self.cfg.train.grad_accum
-        return [Slot(epoch, k, list(r), dataset, folder(self.ranks.rank, epoch, k), self.row_bytes(r, dataset),
-                     held_out=held_out, step=step if held_out else first_step + k // accum + 1,
-                     repeat=real is not None and not real[k]) for k, r in enumerate(rows)]
+        for p in epochs:
+            done = 0
+            steps = sorted(p.eval_steps) if self.val_dataset is not None else []
+            for step in [*steps, None]:
+                # the rows of the steps up to this evaluation
+                upto = len(p.rows) if step is None else min(len(p.rows), (step - p.first_step) * accum)
+                for k in range(done, upto):
+                    yield p.epoch, False, p.first_step + k // accum + 1, k
+                if step is not None:
+                    for k in range(len(self.eval_rows)):
+                        yield p.epoch, True, step, k
+                done = max(done, upto)
+
+    def _row_parts(self, key: tuple[int, bool, int, int], seen: np.ndarray | None) -> tuple:
+        """(samples, dataset, repeat, keeps, reuses, reserved) of the row at ``key``; ``seen``: the cache's roles
+        (``cache_roles``), asked in the plan's order (None: a row the cache plan does not know, an evaluation
+        queued after the plan)."""
+        epoch, held_out, step, k = key
+        if held_out:
+            samples, dataset, repeat = list(self.eval_rows[k]), self.val_dataset, False
+        else:
+            p = self.plans[epoch]
+            samples, dataset, repeat = list(p.rows[k]), self.dataset, not p.plan[k][1]
+        keeps, reuses = set(), set()
+        if seen is not None and len(self.cache_owner):
+            files = [dataset.start_file_idx + i for i in samples]
+            keeps, reuses = cache_roles(files, self.ranks.rank, self.cache_owner, seen)
+            # a row's spool reservation covers only what the cache does not hold
+            reserved = self.row_bytes([i for i, f in zip(samples, files) if f not in keeps and f not in reuses],
+                                      dataset)
+        else:
+            reserved = self.row_bytes(samples, dataset)
+        return samples, dataset, repeat, keeps, reuses, reserved
+
+    def _row(self, key: tuple[int, bool, int, int], seen: np.ndarray | None) -> Slot:
+        """The slot of the row at ``key`` (``_row_parts``)."""
+        epoch, held_out, step, k = key
+        samples, dataset, repeat, keeps, reuses, reserved = self._row_parts(key, seen)
+        folder = (self.dd.train_spool_eval_slot(self.ranks.rank, step, k) if held_out else
+                  self.dd.train_spool_slot(self.ranks.rank, epoch, k))
+        return Slot(epoch, k, samples, dataset, folder, reserved, held_out=held_out, step=step, repeat=repeat,
+                    keeps=keeps, reuses=reuses)
+
+    def _make(self, key: tuple[int, bool, int, int]) -> Slot:
+        """The next row of the plan's order made a slot and kept until its files are deleted (plan_lock held)."""
+        slot = self.live[key] = self._row(key, self.cache_seen)
+        return slot
+
+    def next_planned(self) -> Slot | None:
+        """The prefetcher's next row of the plan (None: none left): one the loop asked for first, or the next key."""
+        with self.plan_lock:
+            if self.made_early:
+                return self.made_early.popleft()
+            key = next(self.order, None)
+            return None if key is None else self._make(key)
+
+    def slot(self, key: tuple[int, bool, int, int]) -> Slot:
+        """The slot of the row at ``key``, the one the prefetcher fills: made now, with the plan's rows before it,
+        when the loop asks before the prefetcher reached it (the loop asks only for its next step's rows, so
+        this runs ahead of the spool's window by a step at most)."""
+        with self.plan_lock:
+            slot = self.live.get(key)
+            while slot is None:
+                nxt = next(self.order, None)
+                assert nxt is not None, f"row {key} is not in the plan, or its files were deleted"
+                made = self._make(nxt)
+                self.made_early.append(made)
+                slot = made if nxt == key else None
+            return slot
+
+    def _counts(self, epoch: int) -> dict:
+        """The epoch's counts for its metrics record (and the progress line's share of them)."""
+        return self.epochs.setdefault(epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0, "wait_s": 0.0,
+                                              "total": 0, "held_out_extracted": 0, "cached": 0,
+                                              # its trained rows, those admitted once its first step had begun,
+                                              # and the step count at its first row's admission
+                                              "rows": 0, "admitted_late": 0, "first_admitted": -1})
 
     def _queue(self, slots: list[Slot]) -> None:
-        """Hands ``slots`` to the prefetcher, after every slot queued before them."""
+        """Hands ``slots`` (an evaluation the plan does not hold) to the prefetcher, after the plan's rows."""
         self.check_budget(max((s.reserved for s in slots), default=0))
         for slot in slots:
-            # the epoch's samples (trained and held out) the progress line counts
-            self.epochs.setdefault(slot.epoch, {"samples": 0, "extracted": 0, "dropped": 0, "open": 0,
-                                                "wait_s": 0.0, "total": 0, "held_out_extracted": 0,
-                                                "cached": 0})
-            self.epochs[slot.epoch]["total"] += 0 if slot.repeat else len(slot.samples)
+            self._counts(slot.epoch)["total"] += 0 if slot.repeat else len(slot.samples)
         self.progress.add_total(sum(0 if s.repeat else len(s.samples) for s in slots))
+        self._hand(slots)
+
+    def _hand(self, rows) -> None:
+        """Queues ``rows`` (slots, or a call giving the next slot, None at the end) for the prefetcher."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, slots)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, rows)
         except RuntimeError:  # the loop has ended (closed): the prefetcher stopped on an error
             raise self.error or StageError("online: the prefetcher thread has ended") from None
 
     def plan(self, epochs, every_rank: list[list] | None = None) -> None:
-        """Queues every row the run will read (``train.run_plan``), in the order the loop reads them: each epoch's
-        packed rows, with the held-out rows of each evaluation after the rows of the step it follows
-        (``EpochPlan.eval_steps``). The prefetcher admits them in that order as the spool budget frees, so the next
-        epoch's first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan
-        (rank r's at r), from which the shared cache is planned.
+        """Hands the prefetcher every row the run will read (``train.run_plan``), in the order the loop reads them
+        (``plan_order``): each epoch's packed rows, with the held-out rows of each evaluation after the rows of the
+        step it follows. The prefetcher admits them in that order as the spool budget frees, so the next epoch's
+        first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan (rank
+        r's at r), from which the shared cache is planned. The plan stays the epoch plans' arrays: the rows' sample
+        counts (progress, epoch records) and the largest row (the budget's check) are walked from them here, and
+        each row's slot is made when it is reached.
 
         First (rank 0, the others wait): what an earlier run left is deleted, the spool folders of ranks this job
         does not have (a job resumed on fewer ranks; outside every budget otherwise) and the cache, and the failures
         listed for the steps (and evaluations) this run trains again are dropped from online_errors.jsonl."""
         self._start_clean(epochs)
-        queued: list[Slot] = []
-        accum = self.cfg.train.grad_accum
+        held_out_samples = sum(len(r) for r in self.eval_rows)
+        total = 0
         for p in epochs:
-            self.first_step[p.epoch] = p.first_step
-            rows = self._slots(p.epoch, p.rows, False, [real for _, real in p.plan], p.first_step)
-            evals = ({step: self._slots(p.epoch, self.eval_rows, True, step=step) for step in p.eval_steps}
-                     if self.val_dataset is not None else {})
-            self.planned[p.epoch] = (rows, evals)
-            done = 0
-            for step in sorted(evals):
-                upto = (step - p.first_step) * accum  # the rows of the steps up to this evaluation
-                queued += rows[done:upto] + evals[step]
-                done = upto
-            queued += rows[done:]
+            self.plans[p.epoch], self.first_step[p.epoch] = p, p.first_step
+            sizes = (np.diff(p.rows.starts) if isinstance(p.rows, PackedRows) else
+                     np.fromiter((len(r) for r in p.rows), dtype=np.int64, count=len(p.rows)))  # [rows]
+            real = np.fromiter((r for _, r in p.plan), dtype=bool, count=len(p.plan))  # [rows]
+            evaluations = len(p.eval_steps) if self.val_dataset is not None else 0
+            if len(p.rows) or (evaluations and self.eval_rows):
+                counts = self._counts(p.epoch)
+                counts["rows"] = len(p.rows)
+                counts["total"] += int(sizes[real].sum()) + evaluations * held_out_samples
+                total += int(sizes[real].sum()) + evaluations * held_out_samples
+        mine = sum(1 for _ in self.plan_order(epochs))
         if self.cache_budget:
-            self._plan_cache(queued, every_rank or [epochs])
+            self._plan_cache(every_rank or [epochs], mine)
+        # the largest row's reservation, the plan walked once (each row's parts made and dropped)
+        seen = np.zeros_like(self.cache_seen)
+        self.check_budget(max((self._row_parts(key, seen)[-1] for key in self.plan_order(epochs)), default=0))
+        self.progress.add_total(total)
         self.steps_done = epochs[0].first_step if epochs else 0
-        self._queue(queued)
+        self.order = self.plan_order(epochs)
+        self._hand(self.next_planned)
 
     def _start_clean(self, epochs) -> None:
         """``plan``'s first part (rank 0 deletes and rewrites, every rank then opens the errors list)."""
@@ -386,33 +509,36 @@ class OnlineBatches(BatchSource):
             dist.barrier()
         self.errors_log = JsonlAppender(self.dd.train_online_errors, fsync_every=1)
 
-    def _plan_cache(self, slots: list[Slot], every_rank: list[list]) -> None:
-        """This rank's part of the job's cache (``plan_cache`` over every rank's rows): which of its rows keep which
-        samples, which reuse them; a row's spool reservation then covers only the rest."""
+    def _plan_cache(self, every_rank: list[list], mine: int) -> None:
+        """This rank's part of the job's cache (``cache_owners`` over every rank's rows): which file each rank
+        keeps; a row's roles (which samples it keeps, which it reuses) are asked when its slot is made, and its
+        spool reservation then covers only the rest. ``mine``: this rank's rows in the plan."""
         eval_rows = self._every_rank_eval_rows()
-
-        sizes: dict[tuple[bool, int], tuple[int, int]] = {}  # each sample is read once an epoch
+        datasets = [self.dataset] + ([self.val_dataset] if self.val_dataset is not None else [])
+        num_files = max(d.start_file_idx + len(d.approx_lengths) for d in datasets)
+        upper = {d is self.val_dataset: hs_bytes_estimate(np.asarray(d.approx_lengths, dtype=np.int64), 1,
+                                                          self.num_states, self.cfg.shared.hidden_size,
+                                                          self.cfg.extract.storage_dtype)
+                 for d in datasets}  # [samples]: each sample's upper bound of bytes
 
         def file_bytes(held_out: bool, i: int) -> tuple[int, int]:
-            if (held_out, i) not in sizes:
-                dataset = self.val_dataset if held_out else self.dataset
-                sizes[held_out, i] = dataset.start_file_idx + i, self.row_bytes([i], dataset)
-            return sizes[held_out, i]
+            dataset = self.val_dataset if held_out else self.dataset
+            return dataset.start_file_idx + i, int(upper[held_out][i])
 
-        owners, roles, self.cache_reserved = plan_cache(job_reads(every_rank, eval_rows, self.cfg.train.grad_accum), file_bytes,
-                                                        self.cache_budget)
-        mine = [(keeps, reuses) for rank, keeps, reuses in roles if rank == self.ranks.rank]
-        assert len(mine) == len(slots), "the rank's reads in the job's plan differ from its queued rows"
-        self.cache_owner = owners
-        for slot, (keeps, reuses) in zip(slots, mine):
-            assert keeps | reuses <= set(slot.files), "the job's plan differs from the rank's rows"
-            slot.keeps, slot.reuses = keeps, reuses
-            slot.reserved = self.row_bytes([i for i, f in zip(slot.samples, slot.files) if f not in keeps | reuses],
-                                           slot.dataset)
-        kept = sum(owner == self.ranks.rank for owner in owners.values())
+        counted = [0]
+
+        def reads():
+            for read in job_reads(every_rank, eval_rows, self.cfg.train.grad_accum):
+                counted[0] += read[0] == self.ranks.rank
+                yield read
+
+        self.cache_owner, self.cache_reserved = cache_owners(reads(), file_bytes, self.cache_budget, num_files)
+        self.cache_seen = np.zeros(num_files, dtype=bool)
+        assert counted[0] == mine, "the rank's reads in the job's plan differ from its rows"
+        kept = int((self.cache_owner >= 0).sum())
         log.info("online: train.cache_gb keeps %d samples (up to %.3f GB of %.3f GB; %d extracted by this rank); "
-                 "later epochs read them from %s", len(owners), self.cache_reserved / 1e9, self.cache_budget / 1e9,
-                 kept, self.cache_dir)
+                 "later epochs read them from %s", kept, self.cache_reserved / 1e9, self.cache_budget / 1e9,
+                 int((self.cache_owner == self.ranks.rank).sum()), self.cache_dir)
 
     def _every_rank_eval_rows(self) -> list[list[list[int]]]:
         """Every rank's held-out rows (train.make_batches gives rank r the packing's rows r::world)."""
@@ -427,21 +553,26 @@ class OnlineBatches(BatchSource):
 
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
-        assert epoch in self.planned, "plan() queues every epoch the loop reads"
-        slots = self.planned[epoch][0]
-        assert [s.samples for s in slots] == [list(r) for r in rows], "the epoch's rows differ from its plan"
-        self.current, self.handed = slots, 0  # stop_reason's view of the rows handed out next
-        return self._batches(slots)
+        assert epoch in self.plans, "plan() queues every epoch the loop reads"
+        p = self.plans[epoch]
+        assert rows is p.rows or [list(r) for r in rows] == [list(r) for r in p.rows], \
+            "the epoch's rows differ from its plan"
+        self.current_epoch, self.current_rows, self.handed = epoch, len(p.rows), 0  # stop_reason's view
+        return self._batches(len(p.rows), lambda k: self.slot(self._train_key(epoch, k)))
+
+    def _train_key(self, epoch: int, k: int) -> tuple[int, bool, int, int]:
+        p = self.plans[epoch]
+        return epoch, False, p.first_step + k // self.cfg.train.grad_accum + 1, k
 
     def evaluation(self, epoch: int, step: int):
         """The host batches of this rank's held-out rows, for the evaluation after optimizer step ``step`` (as
         offline: the held-out split's one packing, the rank's share)."""
-        if step in self.planned.get(epoch, ([], {}))[1]:
-            slots = self.planned[epoch][1][step]
-        else:
-            slots = self._slots(epoch, self.eval_rows, True, step)
-            self._queue(slots)
-        return self._batches(slots)
+        p = self.plans.get(epoch)
+        if self.val_dataset is not None and p is not None and step in p.eval_steps:
+            return self._batches(len(self.eval_rows), lambda k: self.slot((epoch, True, step, k)))
+        slots = [self._row((epoch, True, step, k), None) for k in range(len(self.eval_rows))]
+        self._queue(slots)
+        return self._batches(len(slots), slots.__getitem__)
 
     def _wait(self, slot: Slot, counts: dict, abandoned: threading.Event | None = None) -> bool:
         """Waits for the slot's files (False when ``abandoned`` is set first); raises the prefetcher's error."""
@@ -480,7 +611,10 @@ class OnlineBatches(BatchSource):
         """Waits for the rows this rank hands out next (the step's, and on CUDA the one copied during it) and says
         whether one of them lacks a sample no server gave (SourceStopped's message; their failures are then listed),
         or None. Under torchrun every rank asks before each step and all stop at the same step (``train``)."""
-        window = self.current[self.handed:self.handed + self.rows_at_once]
+        if self.current_epoch is None:
+            return None
+        window = [self.slot(self._train_key(self.current_epoch, k))
+                  for k in range(self.handed, min(self.handed + self.rows_at_once, self.current_rows))]
         if not window:
             return None
         counts = self.epochs[window[0].epoch]
@@ -492,24 +626,29 @@ class OnlineBatches(BatchSource):
                 return self._stop_message(slot)
         return None
 
-    def _batches(self, slots: list[Slot]):
-        """Each slot's batch once its files are there, packed one row ahead in a thread: reading and dequantising a
-        row's files (~1 GB at K2.5's 32768-token rows) in the training loop cost 12 % of the H200 step rate
-        (BENCHMARKS.md, "One H200, K2.5 draft dims"); offline, the DataLoader's workers do it beside the step."""
-        counts = self.epochs[slots[0].epoch] if slots else {}
+    def _batches(self, count: int, slot_of: Callable[[int], Slot]):
+        """The batch of each of ``count`` rows (``slot_of(k)``: row k's slot, asked as it is packed) once its files
+        are there, packed one row ahead in a thread: reading and dequantising a row's files (~1 GB at K2.5's
+        32768-token rows) in the training loop cost 12 % of the H200 step rate (BENCHMARKS.md, "One H200, K2.5
+        draft dims"); offline, the DataLoader's workers do it beside the step."""
         abandoned = threading.Event()  # the loop stopped asking (an error, max_steps): the packer stops waiting
         packer = ThreadPoolExecutor(1, thread_name_prefix="online-pack")
         try:
-            ahead = packer.submit(self._pack, slots[0], counts, abandoned) if slots else None
-            for k, slot in enumerate(slots):
+            slot = slot_of(0) if count else None
+            counts = self.epochs[slot.epoch] if slot is not None else {}
+            ahead = packer.submit(self._pack, slot, counts, abandoned) if slot is not None else None
+            for k in range(count):
                 batch = ahead.result()
-                if k + 1 < len(slots):
-                    ahead = packer.submit(self._pack, slots[k + 1], counts, abandoned)
+                if k + 1 < count:
+                    nxt = slot_of(k + 1)
+                    ahead = packer.submit(self._pack, nxt, counts, abandoned)
                 if not slot.held_out:
                     self.handed += 1
                     counts["samples"] += 0 if slot.repeat else len(slot.samples) - len(slot.failed)
                     self.consumed.append(slot)
                 yield batch
+                if k + 1 < count:
+                    slot = nxt
         finally:
             abandoned.set()
             packer.shutdown(wait=True, cancel_futures=True)
@@ -530,10 +669,14 @@ class OnlineBatches(BatchSource):
         return batch
 
     def _release(self, slot: Slot) -> None:
+        """Deletes the row's files; its slot is forgotten (the spool's window moves on)."""
         shutil.rmtree(slot.folder, ignore_errors=True)
         with self.lock:
             self.reserved -= slot.reserved
             self.on_disk -= slot.written
+        with self.plan_lock:
+            if self.live.get(slot.key) is slot:
+                del self.live[slot.key]
 
     def step_done(self) -> None:
         """Deletes the files of the rows of the step just done (the step's grad_accum rows, the oldest handed out)."""
@@ -548,15 +691,14 @@ class OnlineBatches(BatchSource):
         rank calls (rank 0 writes it). Counts are summed; the spool's high-water mark and the wait are the largest
         rank's (each rank has its own share); the cache's high-water mark is the sum of its owners'."""
         c = self.epochs.get(epoch)
-        rows = self.planned.get(epoch, ([], {}))[0]
         first = self.first_step.get(epoch, 0)
         mine = None if c is None else {
             "samples_trained": c["samples"], "samples_extracted": c["extracted"], "samples_dropped": c["dropped"],
             "samples_open": c["open"], "samples_from_cache": c["cached"], "extract_wait_s": c["wait_s"],
             # the prefetch across the boundary: the epoch's rows admitted to the spool before its first step began
             # (while the epoch before it trained), and the step count at its first row's admission
-            "rows_admitted_early": sum(s.admitted_step < first for s in rows),
-            "first_row_admitted_at_step": rows[0].admitted_step if rows else None,
+            "rows_admitted_early": c["rows"] - c["admitted_late"],
+            "first_row_admitted_at_step": c["first_admitted"] if c["rows"] else None,
             "spool_high_water_bytes": self.high_water, "cache_high_water_bytes": self.cache_high_water}
         every = [mine]
         import torch.distributed as dist
@@ -594,11 +736,10 @@ class OnlineBatches(BatchSource):
         # the cache files this rank owns (every rank has read what it needs of them once it closes: its last step
         # or evaluation was a collective with the others, after they read their last row); the last one out
         # removes the folder
-        for f, owner in self.cache_owner.items():
-            if owner == self.ranks.rank:
-                for path in (self.cache_dir / f"hs_{f}.safetensors", self.dd.train_spool_cache_word(f)):
-                    for p in (path, Path(f"{path}.lock")):
-                        p.unlink(missing_ok=True)
+        for f in np.flatnonzero(self.cache_owner == self.ranks.rank).tolist():
+            for path in (self.cache_dir / f"hs_{f}.safetensors", self.dd.train_spool_cache_word(f)):
+                for p in (path, Path(f"{path}.lock")):
+                    p.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.cache_dir.rmdir()
         log.info("online: spool high-water mark %.3f GB of %.3f GB (this rank's share of train.spool_gb)",
@@ -650,22 +791,28 @@ class OnlineBatches(BatchSource):
                 await self._prefetch(ex)
 
     async def _prefetch(self, ex) -> None:
-        """Admit the queued slots in order while the budget allows; extract each admitted slot's samples. On the
-        way out, the slots still extracting are cancelled and awaited (no task left pending)."""
+        """Admit the queued rows in order while the budget allows (the plan's: ``next_planned`` makes each row's
+        slot as it comes); extract each admitted slot's samples. On the way out, the slots still extracting are
+        cancelled and awaited (no task left pending)."""
         gate = asyncio.Semaphore(self.cfg.extract.concurrency)
         tasks: set[asyncio.Task] = set()
         try:
             while not self.stopping:
                 try:
-                    slots = await asyncio.wait_for(self.queue.get(), WAIT_POLL_S * 10)
+                    rows = await asyncio.wait_for(self.queue.get(), WAIT_POLL_S * 10)
                 except asyncio.TimeoutError:
                     continue
-                for slot in slots:
+                for slot in iter(rows, None) if callable(rows) else rows:
                     while not self.stopping:
                         with self.lock:
                             if self.reserved + slot.reserved <= self.budget:
                                 self.reserved += slot.reserved
                                 slot.admitted_step = self.steps_done
+                                if not slot.held_out:
+                                    counts = self._counts(slot.epoch)
+                                    counts["admitted_late"] += slot.admitted_step >= self.first_step.get(slot.epoch, 0)
+                                    if slot.index == 0:
+                                        counts["first_admitted"] = slot.admitted_step
                                 break
                         await asyncio.sleep(WAIT_POLL_S)
                     if self.stopping:
@@ -679,11 +826,15 @@ class OnlineBatches(BatchSource):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _owns(self, f: int) -> bool:
+        """This rank extracts cached file ``f`` into the cache (``cache_owners``)."""
+        return f < len(self.cache_owner) and int(self.cache_owner[f]) == self.ranks.rank
+
     async def _owner_word(self, f: int) -> int | None:
         """The bytes of cached file ``f`` as its owner wrote and checked it, once it has (None: it could not).
         This rank's own: from memory; another rank's: its word file, polled (the owner trains the row that keeps it
         in an earlier step than any row reusing it, so the word comes while this rank still trains)."""
-        if self.cache_owner.get(f) == self.ranks.rank:
+        if self._owns(f):
             await self.cache_tried.setdefault(f, asyncio.Event()).wait()
             return self.cache_sizes.get(f)
         word, delay = self.dd.train_spool_cache_word(f), 0.005
@@ -741,7 +892,7 @@ class OnlineBatches(BatchSource):
             against the one its owner wrote, then linked into the row's folder. A file changed or gone since is
             extracted again: into the cache by its owner, into the row's folder by another rank."""
             size = await self._owner_word(i)
-            mine = self.cache_owner.get(i) == self.ranks.rank
+            mine = self._owns(i)
             async with self.cache_locks.setdefault(i, asyncio.Lock()):
                 old = cached.stat().st_size if cached.exists() else 0
                 ok = False
