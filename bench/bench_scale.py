@@ -22,8 +22,10 @@ Stages (``STAGES``; 04 offline, and 02's and 04 online's steady state past the f
   stopped; the capture check's, as the stage sends it first). No steady state.
 - ``04on``: N rows of 8-16 tokens -> run_vocab (stage 03's output, in the child: its growth is 03's, flat), then
   run_train with train.data_source online (2 epochs, the
-  stub answering /v1/models). First unit: the first request (the capture check's, rank 0, sent by the online
-  source's thread once the data, the model and every epoch's plan are set up), caught there. No steady state.
+  stub answering /v1/models, ``extract.verify_tokens`` 0). First unit: the first request, the first packed row's
+  (sent by the online source's prefetcher once the data, the model, every epoch's packing and plan and the source's
+  ``plan`` are set up), caught there. No steady state. (Before 2026-12-03's i27-slots the capture check was on and
+  its request, sent before ``plan``, was the first: the plan was not measured.)
 
 Usage:
     .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04on --json out.json
@@ -230,12 +232,19 @@ def run_04on(toy: Path, work: Path, n: int, args) -> dict:
     from eagle3pipe.train import run_train
     from eagle3pipe.vocab import run_vocab
 
+    # no capture check: its request comes before the run's plan is made, the first row's after
     sections = {"extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
-                            "model_dtype": "bfloat16"},
+                            "model_dtype": "bfloat16", "verify_tokens": 0},
                 "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": 256,
-                          "num_workers": 0, "eval_fraction": 0.0, "spool_gb": 0.5}}
+                          "num_workers": 0, "eval_fraction": 0.0}}
     run_vocab(_config(toy, work / "run", **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, work / "run", **sections)
+    # a spool of 4 full rows: the rows admitted before the first request fails (each a slot and its requests'
+    # tasks) are the spool's window, bounded by spool_gb whatever N; 0.5 GB held ~3800 of these rows
+    from eagle3pipe.records import hs_bytes_estimate
+
+    cfg.train.spool_gb = 4 * hs_bytes_estimate(cfg.train.total_seq_len, 1, len(cfg.shared.aux_layer_ids) + 1,
+                                               cfg.shared.hidden_size, cfg.extract.storage_dtype) / 1e9
     clock = _first_request_clock()
     start = time.monotonic()
     try:

@@ -10,13 +10,14 @@ lock wait, ``check_file``, retries, ``ServerPool`` routing around a server that 
 check (``extract_vllm.check_capture``) runs on every server before the first step.
 
 A background thread runs an asyncio loop that walks this rank's packed rows of the whole run in the order the loop
-reads them (``plan``: each epoch's rows, then its held-out rows when it is evaluated, so the spool keeps filling
-across epoch boundaries) and extracts each row's samples into its own folder of the spool
+reads them (``plan_order``: each epoch's rows, then its held-out rows when it is evaluated, so the spool keeps filling
+across epoch boundaries; the plan is the epoch plans' arrays, a row's ``Slot`` is made when it is reached and dropped
+with its files) and extracts each row's samples into its own folder of the spool
 (``DataDir.train_spool_slot``) while the rank's share of ``train.spool_gb`` allows (a row is admitted when the upper
 bound of its files' bytes fits beside the rows already admitted); the training loop waits for a row's files, packs
 it, trains, and deletes the files of a step once that optimizer step is done (a held-out row's once it is packed).
 Each epoch re-extracts, except the samples ``train.cache_gb`` keeps. The cache is one folder for every rank
-(``DataDir.train_spool_cache``), planned from every rank's rows (``plan_cache``, the same on every rank): the first
+(``DataDir.train_spool_cache``), planned from every rank's rows (``cache_owners``, the same on every rank): the first
 row of the job to read a sample extracts it into the cache while the cache's bytes allow, that row's rank owns the
 file, and every later row that reads it, on any rank, hard-links it into its folder after checking it again (stage
 02's ``check_file`` and the size the owner wrote; another rank waits for the owner's word, a small JSON beside the
