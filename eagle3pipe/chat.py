@@ -12,8 +12,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ class SpecialIds:
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The verifier's own tokenizer. Kimi-K2.5's is remote code (``tokenization_kimi.py`` over ``tiktoken.model``,
     named in tokenizer_config.json's ``auto_map``): it needs ``trust_remote_code`` (``shared.trust_remote_code``)."""
+    # imported here: AutoTokenizer pulls in transformers' model machinery (~3 s), which a stage without a
+    # tokenizer (02, 03, 04) should not pay at every start because the stage door imports this module's errors
+    from transformers import AutoTokenizer
+
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer folder not found: {path} (set --verifier or --tokenizer)")
