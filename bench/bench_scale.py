@@ -128,7 +128,8 @@ def _same_length_ids(length: int) -> list[int]:
 def make_04_states(folder: Path, n: int, *, toy: Path) -> None:
     """Stage 02's output for N rows of 8-16 tokens, as 04 offline reads it: the rows (prepared data, for 03, and the
     speculators rows dataset of hidden_states/), the manifest, and a sample file per row: one random file per length
-    written with records.py's writer, hard-linked for each row of that length (no copies: 10^6 links, not 12 GB)."""
+    written with records.py's writer, hard-linked for each row of that length (a copy every 60 000 links: 10^6 rows
+    take ~18 files, not 12 GB)."""
     sys.path.insert(0, str(REPO))
     import torch
 
@@ -153,8 +154,13 @@ def make_04_states(folder: Path, n: int, *, toy: Path) -> None:
         states = torch.randn(length, len(aux) + 1, hidden, generator=g).to(torch.bfloat16)  # [T, n, H]
         save_hidden_states(by_length[length], states, torch.tensor(_same_length_ids(length)), "bf16",
                            metadata=hs_file_metadata(hs_layer_ids(aux, num_layers), num_layers))
+    links = dict.fromkeys(by_length, 0)
     for i, length in enumerate(lengths):
+        if links[length] and links[length] % 60000 == 0:  # ext4 allows 65000 links to a file: a fresh copy
+            shutil.copyfile(by_length[length], by_length[length].with_suffix(f".{links[length]}"))
+            by_length[length] = by_length[length].with_suffix(f".{links[length]}")
         os.link(by_length[length], dd.hs_file(i))
+        links[length] += 1
     save_hs_rows(dd.hidden_states, ((_same_length_ids(length), [0] * 3 + [1] * (length - 3)) for length in lengths))
     save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(
         verifier=str(toy), num_layers=num_layers, aux_layer_ids=list(aux), hidden_size=hidden,
