@@ -174,21 +174,26 @@ def rank_rows(num_rows: int, world: int, grad_accum: int, rank: int, start_step:
     return RankRows(positions.reshape(-1), real.reshape(-1))
 
 
-def check_rows_trained(trained_per_rank: list[list[int]], rows: list, start_step: int, group: int,
-                       epoch: int) -> dict:
+def check_rows_trained(trained_per_rank: list[list[int]], rows, start_step: int, group: int, epoch: int) -> dict:
     """Every packed row of the epoch from ``start_step`` on was trained by exactly one rank (raises otherwise);
-    returns the epoch's "rows" record for metrics.jsonl."""
-    from collections import Counter
-
-    want = set(range(start_step * group, len(rows)))
-    seen = Counter(i for ranked in trained_per_rank for i in ranked)
-    twice = sorted(i for i, n in seen.items() if n > 1)
-    if twice or set(seen) != want:
-        raise StageError(f"epoch {epoch}: the ranks trained packed rows {sorted(seen)[:20]}..., the packing has "
-                         f"{len(want)} from row {start_step * group} (missing {sorted(want - set(seen))[:20]}, "
-                         f"twice {twice[:20]}): a bug in the row split, not in the data")
-    return {"kind": "rows", "epoch": epoch, "rows": len(seen), "packed_rows": len(rows), "from_row": min(want, default=0),
-            "samples": sum(len(rows[i]) for i in seen), "rows_per_rank": [len(r) for r in trained_per_rank]}
+    returns the epoch's "rows" record for metrics.jsonl. Counted with arrays (one count a packed row)."""
+    first = start_step * group
+    seen = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in trained_per_rank] or
+                          [np.zeros(0, dtype=np.int64)])  # [rows trained, all ranks]
+    inside = (seen >= first) & (seen < len(rows))
+    counts = np.bincount(seen[inside] - first, minlength=max(0, len(rows) - first))  # [rows from the first]
+    outside, twice, missing = (np.unique(seen[~inside]), np.flatnonzero(counts > 1) + first,
+                               np.flatnonzero(counts == 0) + first)
+    if outside.size or twice.size or missing.size:
+        raise StageError(f"epoch {epoch}: the ranks trained packed rows {np.unique(seen)[:20].tolist()}..., the "
+                         f"packing has {max(0, len(rows) - first)} from row {first} (missing {missing[:20].tolist()}, twice "
+                         f"{twice[:20].tolist()}, outside {outside[:20].tolist()}): a bug in the row split, not in "
+                         "the data")
+    sizes = (np.diff(rows.starts) if isinstance(rows, PackedRows) else
+             np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))  # [rows]
+    return {"kind": "rows", "epoch": epoch, "rows": int(len(seen)), "packed_rows": len(rows),
+            "from_row": first if first < len(rows) else 0,
+            "samples": int(sizes[first:].sum()), "rows_per_rank": [len(r) for r in trained_per_rank]}
 
 
 def resolve_attn_impl(name: str, device: torch.device) -> str:

@@ -513,3 +513,30 @@ def test_the_plan_s_arrays_are_the_row_split(tmp_path, world, accum, start):
         plan_epochs(cfg, packing, state, Ranks(world, rank), whole, held_out=False)
         assert len(whole.every_rank) == world
         assert [(p.epoch, list(p.plan), list(p.rows)) for p in whole.every_rank[rank]] == mine
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (3, 2)])
+def test_the_epoch_s_rows_record_counts_every_row_once(world, accum):
+    """``check_rows_trained`` (the epoch's "rows" record, counted with arrays): every packed row from the resumed
+    step on trained once over the ranks gives its counts; a row trained twice, one not trained, or a position
+    outside the epoch's rows is a StageError."""
+    from eagle3pipe.cli import StageError
+    from eagle3pipe.train import check_rows_trained, rank_rows
+    from eagle3pipe.train_batches import PackedRows
+
+    sizes = [1 + i % 4 for i in range(23)]
+    rows = PackedRows(np.arange(sum(sizes)), np.concatenate([[0], np.cumsum(sizes)]))
+    group = world * accum
+    for start in range(-(-len(sizes) // group) + 1):
+        trained = [[p for p, real in rank_rows(len(sizes), world, accum, r, start) if real] for r in range(world)]
+        first = start * group
+        want = {"kind": "rows", "epoch": 1, "rows": max(0, len(sizes) - first), "packed_rows": len(sizes),
+                "from_row": first if first < len(sizes) else 0, "samples": sum(sizes[first:]),
+                "rows_per_rank": [len(r) for r in trained]}
+        assert check_rows_trained(trained, rows, start, group, 1) == want
+        assert check_rows_trained(trained, list(rows), start, group, 1) == want
+        if first < len(sizes):
+            for wrong in ([trained[0] + trained[0][:1]] + trained[1:], [trained[0][1:]] + trained[1:],
+                          [trained[0] + [len(sizes)]] + trained[1:]):
+                with pytest.raises(StageError, match="a bug in the row split"):
+                    check_rows_trained(wrong, rows, start, group, 1)
