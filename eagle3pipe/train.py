@@ -186,9 +186,9 @@ def check_rows_trained(trained_per_rank: list[list[int]], rows, start_step: int,
                                np.flatnonzero(counts == 0) + first)
     if outside.size or twice.size or missing.size:
         raise StageError(f"epoch {epoch}: the ranks trained packed rows {np.unique(seen)[:20].tolist()}..., the "
-                         f"packing has {max(0, len(rows) - first)} from row {first} (missing {missing[:20].tolist()}, twice "
-                         f"{twice[:20].tolist()}, outside {outside[:20].tolist()}): a bug in the row split, not in "
-                         "the data")
+                         f"packing has {max(0, len(rows) - first)} from row {first} (missing "
+                         f"{missing[:20].tolist()}, twice {twice[:20].tolist()}, outside {outside[:20].tolist()}): a "
+                         "bug in the row split, not in the data")
     sizes = (np.diff(rows.starts) if isinstance(rows, PackedRows) else
              np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))  # [rows]
     return {"kind": "rows", "epoch": epoch, "rows": int(len(seen)), "packed_rows": len(rows),

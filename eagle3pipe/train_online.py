@@ -462,9 +462,9 @@ class OnlineBatches(BatchSource):
         (``plan_order``): each epoch's packed rows, with the held-out rows of each evaluation after the rows of the
         step it follows. The prefetcher admits them in that order as the spool budget frees, so the next epoch's
         first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan (rank
-        r's at r), from which the shared cache is planned (``plans_every_rank``; None: this rank's alone). The plan stays the epoch plans' arrays: the rows' sample
-        counts (progress, epoch records) and the largest row (the budget's check) are walked from them here, and
-        each row's slot is made when it is reached.
+        r's at r), from which the shared cache is planned (``plans_every_rank``; None: this rank's alone). The plan
+        stays the epoch plans' arrays: the rows' sample counts (progress, epoch records) and the largest row (the
+        budget's check) are walked from them here, and each row's slot is made when it is reached.
 
         First (rank 0, the others wait): what an earlier run left is deleted, the spool folders of ranks this job
         does not have (a job resumed on fewer ranks; outside every budget otherwise) and the cache, and the failures
