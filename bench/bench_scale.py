@@ -8,7 +8,7 @@ and its steady state in seconds per 10^5 rows. From those it projects RAM and st
 6 * 10^9 tokens (``--tokens-per-row``, 10^4 by default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k
 samples).
 
-Stages (``STAGES``; 04 offline, and 02's and 04 online's steady state past the first request, are still to be added):
+Stages (``STAGES``; 02's and 04's steady state past the first request or step are still to be added):
 
 - ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default).
   First unit: the first row rendered and written; steady: the rows after it.
@@ -20,6 +20,11 @@ Stages (``STAGES``; 04 offline, and 02's and 04 online's steady state past the f
   journal lines only, no files: nothing before the first request opens one) -> run_extract, vLLM backend, the stub
   answering /v1/models. First unit: the first request (``Extractor._request``, where it is caught and the stage
   stopped; the capture check's, as the stage sends it first). No steady state.
+- ``04``: N rows of 8-16 tokens and their hidden states (stage 02's output: the rows dataset, the manifest, a sample
+  file per row, hard links of one random file per length; made beforehand, read only) -> run_vocab (03's output, in
+  the child, as 04on), then run_train offline (2 epochs, no held-out rows, the DataLoader in the process). First
+  unit: the first optimizer step done (the data, the model, every epoch's packing and plan, the loader, the step's
+  rows read and trained), stopped there. No steady state.
 - ``04on``: N rows of 8-16 tokens -> run_vocab (stage 03's output, in the child: its growth is 03's, flat), then
   run_train with train.data_source online (2 epochs, the
   stub answering /v1/models, ``extract.verify_tokens`` 0). First unit: the first request, the first packed row's
@@ -28,7 +33,7 @@ Stages (``STAGES``; 04 offline, and 02's and 04 online's steady state past the f
   its request, sent before ``plan``, was the first: the plan was not measured.)
 
 Usage:
-    .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04on --json out.json
+    .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04 04on --json out.json
     .venv/bin/python bench/bench_scale.py --repo /path/to/another/checkout ...   # another version, same inputs
 """
 
@@ -113,6 +118,58 @@ def make_02_resume(folder: Path, n: int) -> None:
     with JsonlAppender(dd.hs_shard_journal(0)) as journal:
         for i in range(int(n * 0.9)):
             journal.write(HsJournalEntry(i, f"{i:016x}", i, 8 + i % 9, 1000).to_json())
+
+
+def _same_length_ids(length: int) -> list[int]:
+    """04's rows: a row's token ids depend on its length alone, so 9 sample files (8-16 tokens) serve N rows."""
+    return [(7 + k * 13) % 1000 for k in range(length)]
+
+
+def make_04_states(folder: Path, n: int, *, toy: Path) -> None:
+    """Stage 02's output for N rows of 8-16 tokens, as 04 offline reads it: the rows (prepared data, for 03, and the
+    speculators rows dataset of hidden_states/), the manifest, and a sample file per row: one random file per length
+    written with records.py's writer, hard-linked for each row of that length (a copy every 60 000 links: 10^6 rows
+    take ~18 files, not 12 GB)."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from eagle3pipe.records import (DataDir, HiddenStatesManifest, IndexedJsonlWriter, hs_file_metadata,
+                                    hs_layer_ids, save_hidden_states, save_hs_manifest, save_hs_rows)
+
+    meta = json.loads((toy / "toy_verifier.json").read_text())
+    num_layers = json.loads((toy / "config.json").read_text())["num_hidden_layers"]
+    aux, hidden = meta["aux_layer_ids"], meta["hidden_size"]
+    dd = DataDir(folder)
+    lengths = [8 + i % 9 for i in range(n)]
+    with IndexedJsonlWriter(dd.prepared_data, "rows", new=True) as out:
+        for i, length in enumerate(lengths):
+            out.write({"id": f"{i:016x}", "input_ids": _same_length_ids(length),
+                       "loss_mask": [0] * 3 + [1] * (length - 3), "source": "bench"})
+        out.commit()
+    dd.hs_files.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    by_length = {}
+    for length in range(8, 17):
+        by_length[length] = folder / f"hs_length_{length}.safetensors"
+        states = torch.randn(length, len(aux) + 1, hidden, generator=g).to(torch.bfloat16)  # [T, n, H]
+        save_hidden_states(by_length[length], states, torch.tensor(_same_length_ids(length)), "bf16",
+                           metadata=hs_file_metadata(hs_layer_ids(aux, num_layers), num_layers))
+    links = dict.fromkeys(by_length, 0)
+    for i, length in enumerate(lengths):
+        if links[length] and links[length] % 60000 == 0:  # ext4 allows 65000 links to a file: a fresh copy
+            shutil.copyfile(by_length[length], by_length[length].with_suffix(f".{links[length]}"))
+            by_length[length] = by_length[length].with_suffix(f".{links[length]}")
+        os.link(by_length[length], dd.hs_file(i))
+        links[length] += 1
+    save_hs_rows(dd.hidden_states, ((_same_length_ids(length), [0] * 3 + [1] * (length - 3)) for length in lengths))
+    save_hs_manifest(dd.hs_manifest, HiddenStatesManifest(
+        verifier=str(toy), num_layers=num_layers, aux_layer_ids=list(aux), hidden_size=hidden,
+        model_dtype="bfloat16", storage_dtype="bf16", num_samples=n, num_tokens=sum(lengths), num_dropped=0,
+        bytes=0, input=str(dd.prepared_data), config_hash="bench"))
+
+
+class FirstStep(Exception):
+    """Raised once 04's first optimizer step is done: the bench stops the stage there."""
 
 
 class FirstRequest(Exception):
@@ -256,6 +313,40 @@ def run_04on(toy: Path, work: Path, n: int, args) -> dict:
     return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
 
 
+def run_04(toy: Path, work: Path, n: int, args) -> dict:
+    from eagle3pipe import train
+    from eagle3pipe.vocab import run_vocab
+
+    # hidden_states/ is the input's (read only, N hard links); vocab/ and train/ are written in the run folder
+    from eagle3pipe.records import DataDir
+
+    given, run = DataDir(work / "input"), DataDir(work / "run")
+    run.root.mkdir(parents=True, exist_ok=True)
+    for folder in ("prepared", "hidden_states"):
+        getattr(run, folder).symlink_to(getattr(given, folder).resolve())
+    run = run.root
+    sections = {"extract": {"input": "prepared", "model_dtype": "bfloat16"},
+                "train": {"data_source": "offline", "epochs": 2, "device": "cpu", "total_seq_len": 256,
+                          "num_workers": 0, "eval_fraction": 0.0}}
+    run_vocab(_config(toy, run, **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
+    cfg = _config(toy, run, **sections)
+    clock: dict = {}
+    step = train.TrainingLoop.train_step
+
+    def first_step(self, *a, **kw):
+        out = step(self, *a, **kw)
+        clock.setdefault("first", time.monotonic())
+        raise FirstStep
+
+    train.TrainingLoop.train_step = first_step
+    start = time.monotonic()
+    try:
+        train.run_train(cfg)
+    except FirstStep:
+        pass
+    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+
+
 @dataclasses.dataclass
 class Stage:
     make: Callable[[Path, int], None]  # inputs for n rows into a folder (parent, once per size)
@@ -271,6 +362,9 @@ STAGES = {
     "03": Stage(make_rows, "run", run_03, "rows", ("eagle3pipe.vocab", "speculators.train.vocab_mapping")),
     "02": Stage(make_02_resume, "run", run_02, "requests", ("eagle3pipe.extract", "eagle3pipe.extract_vllm",
                                                              "datasets")),
+    "04": Stage(make_04_states, "input", run_04, "steps", ("eagle3pipe.train", "eagle3pipe.vocab", "datasets",
+                                                           "speculators.train.vocab_mapping",
+                                                           "speculators.train.data")),
     "04on": Stage(make_rows, "run", run_04on, "requests", ("eagle3pipe.train", "eagle3pipe.train_online",
                                                                 "eagle3pipe.vocab", "eagle3pipe.extract_vllm",
                                                                 "speculators.train.vocab_mapping", "datasets")),
@@ -483,7 +577,7 @@ def main() -> None:
                 template = folder / "template"
                 if not (folder / "template.done").exists():
                     shutil.rmtree(folder, ignore_errors=True)
-                    stage.make(template, n)
+                    stage.make(template, n, **({"toy": toy} if name == "04" else {}))
                     (folder / "template.done").write_text("")
                 run_dir = folder / "run"
                 shutil.rmtree(run_dir, ignore_errors=True)

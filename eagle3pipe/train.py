@@ -41,6 +41,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .cli import StageError, errors_allowed
@@ -70,6 +71,7 @@ from .train_batches import (
     EpochPlan,
     OfflineBatches,
     PackedRows,
+    RankRows,
     Ranks,
     SourceStopped,
     agree_stop,
@@ -158,36 +160,40 @@ def on_rank0(ranks: Ranks, fn: Callable[[], object]):
     return out
 
 
-def rank_rows(num_rows: int, world: int, grad_accum: int, rank: int, start_step: int = 0) -> list[tuple[int, bool]]:
+def rank_rows(num_rows: int, world: int, grad_accum: int, rank: int, start_step: int = 0) -> RankRows:
     """This rank's packed rows of an epoch from optimizer step ``start_step`` on, one per micro-step, as
-    (row position, real). Step s trains rows s*G .. s*G+G-1 (G = world x grad_accum), micro-step a of rank r row
-    s*G + a*world + r, so every rank runs ceil(rows / G) steps of grad_accum micro-steps and no row is read twice.
-    Where the epoch's last step holds fewer than G rows, a rank without one re-reads the step's first row with
-    weight 0 (real False): it still joins the gradient all-reduce, and adds nothing to it."""
+    (row position, real) (``RankRows``: two arrays). Step s trains rows s*G .. s*G+G-1 (G = world x grad_accum),
+    micro-step a of rank r row s*G + a*world + r, so every rank runs ceil(rows / G) steps of grad_accum micro-steps
+    and no row is read twice. Where the epoch's last step holds fewer than G rows, a rank without one re-reads the
+    step's first row with weight 0 (real False): it still joins the gradient all-reduce, and adds nothing to it."""
     group = world * grad_accum
-    out = []
-    for s in range(start_step, math.ceil(num_rows / group)):
-        for a in range(grad_accum):
-            i = s * group + a * world + rank
-            out.append((i, True) if i < num_rows else (s * group, False))
-    return out
+    steps = np.arange(start_step, max(start_step, math.ceil(num_rows / group)), dtype=np.int64)  # [S]
+    at = steps[:, None] * group + np.arange(grad_accum, dtype=np.int64)[None, :] * world + rank  # [S, accum]
+    real = at < num_rows  # [S, accum]
+    positions = np.where(real, at, steps[:, None] * group)  # [S, accum]
+    return RankRows(positions.reshape(-1), real.reshape(-1))
 
 
-def check_rows_trained(trained_per_rank: list[list[int]], rows: list, start_step: int, group: int,
-                       epoch: int) -> dict:
+def check_rows_trained(trained_per_rank: list[list[int]], rows, start_step: int, group: int, epoch: int) -> dict:
     """Every packed row of the epoch from ``start_step`` on was trained by exactly one rank (raises otherwise);
-    returns the epoch's "rows" record for metrics.jsonl."""
-    from collections import Counter
-
-    want = set(range(start_step * group, len(rows)))
-    seen = Counter(i for ranked in trained_per_rank for i in ranked)
-    twice = sorted(i for i, n in seen.items() if n > 1)
-    if twice or set(seen) != want:
-        raise StageError(f"epoch {epoch}: the ranks trained packed rows {sorted(seen)[:20]}..., the packing has "
-                         f"{len(want)} from row {start_step * group} (missing {sorted(want - set(seen))[:20]}, "
-                         f"twice {twice[:20]}): a bug in the row split, not in the data")
-    return {"kind": "rows", "epoch": epoch, "rows": len(seen), "packed_rows": len(rows), "from_row": min(want, default=0),
-            "samples": sum(len(rows[i]) for i in seen), "rows_per_rank": [len(r) for r in trained_per_rank]}
+    returns the epoch's "rows" record for metrics.jsonl. Counted with arrays (one count a packed row)."""
+    first = start_step * group
+    seen = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in trained_per_rank] or
+                          [np.zeros(0, dtype=np.int64)])  # [rows trained, all ranks]
+    inside = (seen >= first) & (seen < len(rows))
+    counts = np.bincount(seen[inside] - first, minlength=max(0, len(rows) - first))  # [rows from the first]
+    outside, twice, missing = (np.unique(seen[~inside]), np.flatnonzero(counts > 1) + first,
+                               np.flatnonzero(counts == 0) + first)
+    if outside.size or twice.size or missing.size:
+        raise StageError(f"epoch {epoch}: the ranks trained packed rows {np.unique(seen)[:20].tolist()}..., the "
+                         f"packing has {max(0, len(rows) - first)} from row {first} (missing "
+                         f"{missing[:20].tolist()}, twice {twice[:20].tolist()}, outside {outside[:20].tolist()}): a "
+                         "bug in the row split, not in the data")
+    sizes = (np.diff(rows.starts) if isinstance(rows, PackedRows) else
+             np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows)))  # [rows]
+    return {"kind": "rows", "epoch": epoch, "rows": int(len(seen)), "packed_rows": len(rows),
+            "from_row": first if first < len(rows) else 0,
+            "samples": int(sizes[first:].sum()), "rows_per_rank": [len(r) for r in trained_per_rank]}
 
 
 def resolve_attn_impl(name: str, device: torch.device) -> str:
@@ -397,9 +403,9 @@ def run_plan(epoch_batches: list, state: TrainingState, max_steps: int, world: i
         start = state.batches_done if e == state.epoch else 0
         evals = [step + i for i in range(1, steps + 1)
                  if eval_due(step + i, start + i == epoch_steps, last, eval_every)]
-        picked = [i for i, _ in plan]
-        out.append(EpochPlan(e, plan, rows.take(picked) if isinstance(rows, PackedRows) else [rows[i] for i in picked],
-                             evals, step))
+        picked = plan.positions
+        out.append(EpochPlan(e, plan, rows.take(picked) if isinstance(rows, PackedRows) else
+                             [rows[i] for i in picked.tolist()], evals, step))
         if cut:
             break
         step += steps
@@ -757,16 +763,19 @@ def wrap_data_parallel(model, ranks: Ranks, device: torch.device):
 def plan_epochs(cfg: PipelineConfig, epoch_batches: list, state: TrainingState, ranks: Ranks, source: BatchSource,
                 held_out: bool) -> dict[int, EpochPlan]:
     """This rank's plan of every epoch from ``state`` on (``run_plan``; no evaluations without held-out rows),
-    handed to the source with every rank's (online: the spool fills across epochs, one cache for all ranks)."""
+    handed to the source, with every rank's when the source plans the whole job (``plans_every_rank``: online with
+    train.cache_gb, one cache for all ranks); otherwise no rank builds another's."""
     t = cfg.train
     eval_every = t.eval_every_steps if held_out else 0
-    every_rank = [run_plan(epoch_batches, state, t.max_steps, ranks.world, t.grad_accum, r, eval_every)
-                  for r in range(ranks.world)]
+    planned = range(ranks.world) if source.plans_every_rank else [ranks.rank]
+    of_rank = {r: run_plan(epoch_batches, state, t.max_steps, ranks.world, t.grad_accum, r, eval_every)
+               for r in planned}
     if not held_out:
-        for p in (p for mine in every_rank for p in mine):
+        for p in (p for mine in of_rank.values() for p in mine):
             p.eval_steps = []
-    plans = {p.epoch: p for p in every_rank[ranks.rank]}
-    source.plan(every_rank[ranks.rank], every_rank)  # online: the spool fills across epochs, one cache for all ranks
+    plans = {p.epoch: p for p in of_rank[ranks.rank]}
+    # online: the spool fills across epochs
+    source.plan(of_rank[ranks.rank], [of_rank[r] for r in planned] if source.plans_every_rank else None)
     return plans
 
 

@@ -44,12 +44,38 @@ class Ranks:
         return self.rank == 0
 
 
+class RankRows:
+    """A rank's packed rows of an epoch, one per micro-step (``train.rank_rows``), as two arrays (issue 27):
+    ``positions`` int64 [M], each row's position in the epoch's packing, and ``real`` bool [M], False for a weight-0
+    placeholder row (another rank's, re-read). ``plan[k]`` is (position, real) as Python values; ``len``, iteration
+    and slices (a ``RankRows``) as the list of (position, real) tuples it stands for: 9 bytes a row instead of a
+    tuple and an int (~90), for every epoch of the run's plan."""
+
+    def __init__(self, positions: np.ndarray, real: np.ndarray):
+        assert positions.shape == real.shape, "a position and a flag a row"
+        self.positions, self.real = positions, real
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return RankRows(self.positions[k], self.real[k])
+        return int(self.positions[k]), bool(self.real[k])
+
+    def __iter__(self):
+        return zip(self.positions.tolist(), self.real.tolist())
+
+    def __repr__(self) -> str:
+        return f"RankRows({len(self)} rows, {int((~self.real).sum())} placeholders)"
+
+
 @dataclass
 class EpochPlan:
     """What this rank will read of one epoch, known before the run starts (the packing is seeded per epoch)."""
 
     epoch: int
-    plan: list[tuple[int, bool]]  # rank_rows of the epoch, cut where train.max_steps ends the run
+    plan: RankRows  # rank_rows of the epoch, cut where train.max_steps ends the run
     rows: "PackedRows | list[list[int]]"  # the packed rows of ``plan``, one per micro-step
     eval_steps: list[int]  # the run's step counts after which the held-out rows are evaluated (``eval_due``)
     first_step: int  # optimizer steps done (the run's count) when the epoch's first step begins
@@ -60,9 +86,13 @@ class BatchSource(Protocol):
     (``train_online.OnlineBatches``): the whole run's plan first, then each epoch's and each evaluation's host batches
     in order, whether the next step can run, and a word when a step is done."""
 
+    # the source plans the whole job (online with train.cache_gb: one cache from every rank's reads), so ``plan``
+    # needs every rank's plan; otherwise only this rank's is built (``train.plan_epochs``)
+    plans_every_rank: bool
+
     def plan(self, epochs: list[EpochPlan], every_rank: list[list[EpochPlan]] | None = None) -> None:
         """Every epoch's rows the run will read (``train.run_plan``), in order, before the first; ``every_rank``:
-        every rank's."""
+        every rank's (None unless ``plans_every_rank``)."""
 
     def epoch(self, epoch: int, rows: list[list[int]]):
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""
@@ -248,16 +278,18 @@ class EpochBatches:
     its persistent workers serve every epoch."""
 
     def __init__(self):
-        self.batches: list = []
+        self.batches: PackedRows | list = []
+        self.start = 0
 
-    def set(self, batches: list, start: int = 0) -> None:
-        self.batches = list(batches[start:])
+    def set(self, batches: PackedRows | list, start: int = 0) -> None:
+        # kept as given (PackedRows: arrays), each row's list made as the loader asks for it
+        self.batches, self.start = batches, start
 
     def __iter__(self):
-        return iter(self.batches)
+        return (list(self.batches[i]) for i in range(self.start, len(self.batches)))
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return max(0, len(self.batches) - self.start)
 
 
 def _worker_init(worker_id: int) -> None:  # noqa: ARG001
@@ -280,12 +312,14 @@ class OfflineBatches(BatchSource):
     """The data-source seam, offline: an epoch's packed rows read from hidden_states/ by the DataLoader. The online
     source (train_online.OnlineBatches) has the same methods."""
 
+    plans_every_rank = False  # the loader reads this rank's rows only
+
     def __init__(self, loader, sampler: EpochBatches, val_loader=None):
         self.loader, self.sampler, self.val_loader = loader, sampler, val_loader
 
     def plan(self, epochs: list[EpochPlan], every_rank: list[list[EpochPlan]] | None = None) -> None:
         """Every epoch's rows the run will read, in order, before the first (the loader reads ahead by itself);
-        ``every_rank``: every rank's (online: the cache is planned for the whole job)."""
+        ``every_rank``: None (``plans_every_rank``)."""
 
     def epoch(self, epoch: int, rows: list[list[int]]):  # noqa: ARG002
         """The host batches of ``rows`` (this rank's packed rows of the epoch, one per micro-step), in order."""

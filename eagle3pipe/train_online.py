@@ -159,7 +159,7 @@ def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]],
                             yield rank, True, True, rows[j]
             if m < len(first.plan):
                 for rank, p in enumerate(plans):
-                    yield rank, False, p.plan[m][1], p.rows[m]
+                    yield rank, False, bool(p.plan.real[m]), p.rows[m]
 
 
 def cache_owners(reads, file_bytes: Callable[[bool, int], tuple[int, int]], budget: int,
@@ -351,6 +351,12 @@ class OnlineBatches(BatchSource):
                 f"and the largest takes up to {need / self.rows_at_once / 1e9:.3f} GB of states: raise --spool-gb to "
                 f"at least {need * self.ranks.world / 1e9:.3f} or lower --total-seq-len")
 
+    @property
+    def plans_every_rank(self) -> bool:
+        """train.cache_gb: the cache is planned from every rank's reads (``cache_owners``), so ``plan`` needs every
+        rank's plan; without it only this rank's is built."""
+        return self.cache_budget > 0
+
     def plan_order(self, epochs) -> Iterator[tuple[int, bool, int, int]]:
         """The keys (epoch, held out, step, index) of every row the run reads, in the order the loop reads them:
         each epoch's packed rows (index: micro-step of the epoch plan, step: the run's optimizer step that trains
@@ -380,7 +386,7 @@ class OnlineBatches(BatchSource):
             samples, dataset, repeat = list(self.eval_rows[k]), self.val_dataset, False
         else:
             p = self.plans[epoch]
-            samples, dataset, repeat = list(p.rows[k]), self.dataset, not p.plan[k][1]
+            samples, dataset, repeat = list(p.rows[k]), self.dataset, not p.plan.real[k]
         keeps, reuses = set(), set()
         if seen is not None and len(self.cache_owner):
             files = [dataset.start_file_idx + i for i in samples]
@@ -456,9 +462,9 @@ class OnlineBatches(BatchSource):
         (``plan_order``): each epoch's packed rows, with the held-out rows of each evaluation after the rows of the
         step it follows. The prefetcher admits them in that order as the spool budget frees, so the next epoch's
         first rows are extracted while this one's last steps train. ``every_rank``: every rank's run_plan (rank
-        r's at r), from which the shared cache is planned. The plan stays the epoch plans' arrays: the rows' sample
-        counts (progress, epoch records) and the largest row (the budget's check) are walked from them here, and
-        each row's slot is made when it is reached.
+        r's at r), from which the shared cache is planned (``plans_every_rank``; None: this rank's alone). The plan
+        stays the epoch plans' arrays: the rows' sample counts (progress, epoch records) and the largest row (the
+        budget's check) are walked from them here, and each row's slot is made when it is reached.
 
         First (rank 0, the others wait): what an earlier run left is deleted, the spool folders of ranks this job
         does not have (a job resumed on fewer ranks; outside every budget otherwise) and the cache, and the failures
@@ -470,7 +476,7 @@ class OnlineBatches(BatchSource):
             self.plans[p.epoch], self.first_step[p.epoch] = p, p.first_step
             sizes = (np.diff(p.rows.starts) if isinstance(p.rows, PackedRows) else
                      np.fromiter((len(r) for r in p.rows), dtype=np.int64, count=len(p.rows)))  # [rows]
-            real = np.fromiter((r for _, r in p.plan), dtype=bool, count=len(p.plan))  # [rows]
+            real = p.plan.real  # [rows]
             evaluations = len(p.eval_steps) if self.val_dataset is not None else 0
             if len(p.rows) or (evaluations and self.eval_rows):
                 counts = self._counts(p.epoch)
@@ -514,6 +520,7 @@ class OnlineBatches(BatchSource):
         """This rank's part of the job's cache (``cache_owners`` over every rank's rows): which file each rank
         keeps; a row's roles (which samples it keeps, which it reuses) are asked when its slot is made, and its
         spool reservation then covers only the rest. ``mine``: this rank's rows in the plan."""
+        assert len(every_rank) == self.ranks.world, "the cache is planned from every rank's plan (plans_every_rank)"
         eval_rows = self._every_rank_eval_rows()
         datasets = [self.dataset] + ([self.val_dataset] if self.val_dataset is not None else [])
         num_files = max(d.start_file_idx + len(d.approx_lengths) for d in datasets)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -426,3 +427,116 @@ def test_the_plan_of_every_epoch_keeps_tens_of_bytes_a_sample():
         assert list(packed) == reference and len(packed) == len(reference) and packed[-1] == reference[-1]
         plan = run_plan([packed], TrainingState(0, 0, 0, 0), 0, 3, 2, 1)[0]
         assert list(plan.rows) == [reference[i] for i, _ in plan.plan]
+
+
+class _KeepsEveryRank:
+    """A source that keeps every rank's plan, as the online source's shared cache plan needs (train.cache_gb > 0)."""
+
+    plans_every_rank = True
+    every_rank = None
+
+    def plan(self, epochs, every_rank=None):
+        self.every_rank = every_rank
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("every_rank", [False, True], ids=["offline", "online-cache"])
+@in_a_fresh_process
+def test_the_plan_of_every_epoch_keeps_a_few_bytes_a_packed_row_at_every_world_size(tmp_path, world, every_rank):
+    """Issue 27: ``plan_epochs`` (each rank's ``run_plan`` of 3 epochs: its rows' positions in the packing and
+    whether each is real or a weight-0 placeholder, and its rows) at 20 000 and 80 000 packed rows of 4 samples an
+    epoch (tracemalloc peak, per packed row an epoch). The rows alone are 40 bytes a packed row over every rank
+    (``PackedRows``: 8 a sample and a row). The plan's positions and flags are arrays (9 bytes a row), and only this
+    rank's plan is built unless the source plans the whole job (online with train.cache_gb: every rank's reads).
+    Measured: 62 bytes at world 1 (the arrays being packed for a moment count in the peak), 51 every rank's and 15
+    this rank's at world 4. Before (main at eb98b8b): a Python list of (position, real) tuples a rank, every rank's
+    built on every rank whatever the source: 156 bytes at world 1, 141 at world 4."""
+    from memory_bound import bytes_per_row
+
+    from eagle3pipe.config import load_config
+    from eagle3pipe.records_checkpoints import TrainingState
+    from eagle3pipe.train import plan_epochs
+    from eagle3pipe.train_batches import EpochBatches, OfflineBatches, PackedRows, Ranks
+
+    cfg = load_config(overrides={"shared": {"data_dir": str(tmp_path)}, "train": {"epochs": 3, "device": "cpu"}})
+
+    def epochs(num_rows: int) -> list[PackedRows]:
+        return [PackedRows(np.random.default_rng(e).permutation(4 * num_rows),
+                           np.arange(0, 4 * num_rows + 1, 4, dtype=np.int64)) for e in range(3)]
+
+    def setup(num_rows: int):
+        packing = epochs(num_rows)
+        source = _KeepsEveryRank() if every_rank else OfflineBatches(None, EpochBatches())
+        return lambda: plan_epochs(cfg, packing, TrainingState(0, 0, 0, 0), Ranks(world, world - 1), source,
+                                   held_out=False)
+
+    per_row = bytes_per_row(setup, 20000, 80000) / 3
+    print(f"\nthe plan of 3 epochs at world {world} ({'every rank' if every_rank else 'this rank'}) keeps "
+          f"{per_row:.1f} bytes a packed row an epoch")
+    # every rank's positions, flags and rows (~49 bytes a packed row, and what packing them holds for a moment),
+    # or this rank's share of them
+    assert per_row < (80 if every_rank else 80 / world + 4)
+
+
+@pytest.mark.parametrize("world,accum,start", [(1, 1, 0), (1, 3, 2), (4, 1, 0), (4, 2, 1), (3, 4, 0)])
+def test_the_plan_s_arrays_are_the_row_split(tmp_path, world, accum, start):
+    """``rank_rows`` as arrays (``RankRows``) is the row split it was as a list of (position, real) tuples (an
+    independent loop here): every rank its rows s*G + a*world + r, a placeholder at the step's first row past the
+    epoch's end; Python values out of it; ``plan_epochs`` builds only this rank's plan for an offline source, the
+    same as ``run_plan``'s, and every rank's for a source that plans the whole job."""
+    from eagle3pipe.config import load_config
+    from eagle3pipe.records_checkpoints import TrainingState
+    from eagle3pipe.train import plan_epochs, rank_rows, run_plan
+    from eagle3pipe.train_batches import EpochBatches, OfflineBatches, PackedRows, Ranks
+
+    num_rows = 23
+    group = world * accum
+    for rank in range(world):
+        reference = [(s * group + a * world + rank, True) if s * group + a * world + rank < num_rows
+                     else (s * group, False)
+                     for s in range(start, -(-num_rows // group)) for a in range(accum)]
+        got = rank_rows(num_rows, world, accum, rank, start)
+        assert list(got) == reference and len(got) == len(reference)
+        assert [got[k] for k in range(len(got))] == reference and list(got[1:3]) == reference[1:3]
+        assert all(type(p) is int and type(r) is bool for p, r in got) and (not got or type(got[0][0]) is int)
+
+    cfg = load_config(overrides={"shared": {"data_dir": str(tmp_path)},
+                                 "train": {"epochs": 2, "device": "cpu", "grad_accum": accum}})
+    packing = [PackedRows(np.arange(2 * num_rows), np.arange(0, 2 * num_rows + 1, 2)) for _ in range(2)]
+    state = TrainingState(0, 0, 0, 0)
+    for rank in range(world):
+        mine = [(p.epoch, list(p.plan), list(p.rows)) for p in run_plan(packing, state, 0, world, accum, rank)]
+        offline = OfflineBatches(None, EpochBatches())
+        plans = plan_epochs(cfg, packing, state, Ranks(world, rank), offline, held_out=False)
+        assert [(p.epoch, list(p.plan), list(p.rows)) for p in plans.values()] == mine
+        whole = _KeepsEveryRank()
+        plan_epochs(cfg, packing, state, Ranks(world, rank), whole, held_out=False)
+        assert len(whole.every_rank) == world
+        assert [(p.epoch, list(p.plan), list(p.rows)) for p in whole.every_rank[rank]] == mine
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (3, 2)])
+def test_the_epoch_s_rows_record_counts_every_row_once(world, accum):
+    """``check_rows_trained`` (the epoch's "rows" record, counted with arrays): every packed row from the resumed
+    step on trained once over the ranks gives its counts; a row trained twice, one not trained, or a position
+    outside the epoch's rows is a StageError."""
+    from eagle3pipe.cli import StageError
+    from eagle3pipe.train import check_rows_trained, rank_rows
+    from eagle3pipe.train_batches import PackedRows
+
+    sizes = [1 + i % 4 for i in range(23)]
+    rows = PackedRows(np.arange(sum(sizes)), np.concatenate([[0], np.cumsum(sizes)]))
+    group = world * accum
+    for start in range(-(-len(sizes) // group) + 1):
+        trained = [[p for p, real in rank_rows(len(sizes), world, accum, r, start) if real] for r in range(world)]
+        first = start * group
+        want = {"kind": "rows", "epoch": 1, "rows": max(0, len(sizes) - first), "packed_rows": len(sizes),
+                "from_row": first if first < len(sizes) else 0, "samples": sum(sizes[first:]),
+                "rows_per_rank": [len(r) for r in trained]}
+        assert check_rows_trained(trained, rows, start, group, 1) == want
+        assert check_rows_trained(trained, list(rows), start, group, 1) == want
+        if first < len(sizes):
+            for wrong in ([trained[0] + trained[0][:1]] + trained[1:], [trained[0][1:]] + trained[1:],
+                          [trained[0] + [len(sizes)]] + trained[1:]):
+                with pytest.raises(StageError, match="a bug in the row split"):
+                    check_rows_trained(wrong, rows, start, group, 1)
