@@ -115,14 +115,14 @@ main() {
   mapfile -t ALL_STARTED < <(cut -f5 <<< "$PLAN")
   say "config $CONFIG, data dir $DATA_DIR, python $PYTHON"
   say "to resume after an interruption, run: $RESUME_CMD"
-  started=0 ; [ -z "$FROM" ] && started=1
+  reached=0 ; [ -z "$FROM" ] && reached=1  # --from's stage reached (not "started": that is each row's marker path)
   ran_upstream=0 costs_checked=0
   idx=-1
   while IFS=$'\t' read -r name script hash marker started log stage_config launcher resume extra; do
     idx=$((idx + 1))
-    matches "$name" "$FROM" && started=1
+    matches "$name" "$FROM" && reached=1
     if [ -n "$ONLY" ] && ! matches "$name" "$ONLY"; then continue; fi
-    if [ $started -eq 0 ]; then say "$name: before --from $FROM, not run"; continue; fi
+    if [ $reached -eq 0 ]; then say "$name: before --from $FROM, not run"; continue; fi
     if [ -n "$SIGNALLED" ]; then
       say "stopped by SIG$SIGNALLED before $name; to resume: $RESUME_CMD"; exit "$SIGNAL_STATUS"
     fi

@@ -123,6 +123,10 @@ def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama
     assert "02_extract: running" not in res.stderr
     assert not dd.stage_marker("01_prepare").exists()
     assert "no_such.jsonl" in (dd.logs / "run_all.log").read_text()  # the stage's own error is in the run log
+    # --from 02: 01 (which would fail again) is not run; 02 is, and fails on its own missing input
+    res = _run_all("--config", str(cfg_path), "--from", "02", "--allow-human-answers")
+    assert "01_prepare: before --from 02, not run" in res.stderr and "FAILED at stage 01_prepare" not in res.stderr
+    assert "02_extract: running" in res.stderr and "FAILED at stage 02_extract" in res.stderr
 
 
 def test_unknown_stage_name_is_refused(tmp_path):
