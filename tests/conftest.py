@@ -48,6 +48,27 @@ LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_ge
                        "test_train_vllm.py")
 
 
+# Files that use the same session-scoped vLLM server run in one process, so that the server starts once (30-90 s
+# each): xdist's --dist loadfile hands out one file at a time, so the later file is scheduled with the earlier one.
+SAME_PROCESS_AS = {"test_train_online.py": "test_extract_vllm.py",  # llama_extraction_server(_b)
+                   "test_ops_setup.py": "test_generate_vllm.py"}  # vllm_server
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":  # ./test.sh's mode; any other keeps xdist's own scheduler
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingServers(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            head, _, name = path.rpartition("/")
+            return f"{head}/{SAME_PROCESS_AS[name]}" if name in SAME_PROCESS_AS else path
+
+    return FilesSharingServers(config, log)
+
+
 def _file_rank(item) -> int:
     name = item.path.name
     return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
