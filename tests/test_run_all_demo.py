@@ -31,10 +31,11 @@ def test_reduced_demo_end_to_end(tmp_path):
     cfg["prepare"]["dataset"] = [str(data / "chats.jsonl")]
     cfg["prepare"]["max_samples"] = 48
     cfg["generate"]["max_samples"] = 48
-    cfg["evaluate"].update(prompts=str(data / "eval_prompts.jsonl"), num_prompts=24, baseline=False)
+    cfg["evaluate"].update(prompts=str(data / "eval_prompts.jsonl"), num_prompts=16, baseline=False)
     # 04 on 2 processes (issue 17): run_all.sh starts torchrun (gloo), rank 0 exports, 05's vLLM speculates with it.
-    # Twice the epochs keep the optimizer steps of one process (each step now averages 2 packed rows)
-    cfg["train"].update(nproc_per_node=2, epochs=2 * cfg["train"]["epochs"])
+    # The demo's 6 epochs are ~25 steps of 2 packed rows here; at its learning rate (1e-3) they left acceptance at
+    # 1.35 (12 epochs: 1.88, 2026-12-03); 3e-3 makes up for the fewer steps. The full demo's figures are README's
+    cfg["train"].update(nproc_per_node=2, learning_rate=0.003)
     cfg_path = tmp_path / "demo_ci.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, CONFIG=str(cfg_path), DEMO_SKIP_SETUP="1")
@@ -42,7 +43,7 @@ def test_reduced_demo_end_to_end(tmp_path):
     assert res.returncode == 0, f"demo.sh failed:\n{res.stdout[-4000:]}"
     report = load_eval_report(DataDir(data))
     wd = report["with_draft"]
-    assert wd["requests"] == 24 and wd["drafts"] > 0
+    assert wd["requests"] == 16 and wd["drafts"] > 0
     # the shipped verifier and 48 regenerated answers: measured 1.6-1.7 (README); a draft that learned nothing
     # stays near 1.0
     assert wd["acceptance_length"] > 1.3, json.dumps(wd)
