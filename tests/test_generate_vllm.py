@@ -264,7 +264,12 @@ def test_drill_client_killed_mid_run_with_torn_line_then_resumed(tmp_path, vllm_
     assert "torn last line" in rerun.stderr
     check = check_synthetic(dd, ids)
     print(f"\nclient-kill drill: killed after {before} responses; after rerun: {check.figures()}")
-    assert check.ok() and check.finished == 80 and check.errored == 0 and check.trained == 80
+    # every finished answer is trained on unless a flag other than truncation (--include-truncated) keeps it out: at
+    # temperature 0.6 a sampled answer can close its reasoning at once (empty_reasoning; 79 of 80 trained once)
+    kept_out = [r["id"] for r in read_jsonl(dd.responses)
+                if set(r.get("flags") or ()) - {"length", "abort", "repetition"}]
+    assert check.ok() and check.finished == 80 and check.errored == 0 and check.trained == 80 - len(kept_out)
+    assert len(kept_out) <= 4, kept_out  # a few, not a run that lost its answers
 
 
 def test_kimi_k25_toy_served_and_captured(tmp_path, vllm_server_k25, toy_kimi, toy_kimi_meta):
