@@ -451,6 +451,10 @@ def child(args) -> None:
     for module in stage.modules:
         importlib.import_module(module)
 
+    if args.flush_denormal:
+        import torch
+
+        torch.set_flush_denormal(True)
     me = psutil.Process()
     before = me.memory_info().rss
     anon_before, file_before = _rss_split()
@@ -641,6 +645,9 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, default=0, help="stage 01's prepare.num_proc (0: its default)")
     ap.add_argument("--steady-steps", type=int, default=30, help="04 / 04on: optimizer steps measured after the "
                                                                  "first (all when the run has fewer)")
+    ap.add_argument("--flush-denormal", action="store_true",
+                    help="torch.set_flush_denormal(True) in the stage's process: the toy draft's CPU steps on these "
+                         "repetitive rows meet subnormal floats, 4-5x slower a step (BENCHMARKS.md, Scale, steady)")
     ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -692,7 +699,7 @@ def main() -> None:
                         (folder / "input").symlink_to(template)
                 argv = [sys.executable, __file__, "--child", name, "--size", str(n), "--work", str(folder),
                         "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc),
-                        "--steady-steps", str(args.steady_steps)]
+                        "--steady-steps", str(args.steady_steps)] + ["--flush-denormal"] * args.flush_denormal
                 if args.stub_url:
                     argv += ["--stub-url", args.stub_url]
                 out = subprocess.run(argv, env=env, capture_output=True, text=True)
