@@ -237,6 +237,9 @@ def _step_clock(limit: int, requests: dict | None = None) -> dict:
         clock["steps"] += 1
         clock.setdefault("first", now)
         clock["last"] = now
+        waited = self.waited.get("loader_wait_s", 0.0)  # the loop's wait for its data (the loader, or the spool)
+        clock.setdefault("first_wait", waited)
+        clock["last_wait"] = waited
         if requests is not None:
             clock.setdefault("first_sent", requests["sent"])
             clock["last_sent"] = requests["sent"]
@@ -251,7 +254,7 @@ def _step_clock(limit: int, requests: dict | None = None) -> dict:
 def _steps_timings(start: float, first: float, steps: dict) -> dict:
     return {"first_s": first - start, "steady_units": steps["steps"] - 1,
             "steady_s": steps["last"] - steps["first"], "steady_steps": steps["steps"] - 1,
-            "steady_step_s": steps["last"] - steps["first"]}
+            "steady_step_s": steps["last"] - steps["first"], "steady_wait_s": steps["last_wait"] - steps["first_wait"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -715,7 +718,8 @@ def main() -> None:
                 per_step = ""
                 if "steady_steps" in r:
                     r["steady_s_per_step"] = r["steady_step_s"] / max(1, r["steady_steps"])
-                    per_step = f" ({r['steady_steps']} steps, {r['steady_s_per_step']:.3f} s a step)"
+                    per_step = (f" ({r['steady_steps']} steps, {r['steady_s_per_step']:.3f} s a step, of which "
+                                f"{r['steady_wait_s'] / max(1, r['steady_steps']):.3f} s waiting for data)")
                 results.append(r)
                 print(f"{name:>4} {n:>9} rows: RSS {fmt_bytes(r['rss_before'])} -> peak {fmt_bytes(r['rss_peak'])} "
                       f"(+{fmt_bytes(r['growth'])}; sampled peaks: anonymous +{fmt_bytes(r['anon_growth'])}, "
