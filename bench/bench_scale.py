@@ -39,7 +39,8 @@ Stages (``STAGES``):
   meanwhile (the steady units; it runs 4 rows ahead of the loop). (Before 2026-12-03's i27-slots the capture check
   was on and its request, sent before ``plan``, was the first: the plan was not measured.)
 
-04 and 04on also report seconds a step. ``BENCH_LOG=INFO`` in the environment shows the stages' own log lines.
+04 and 04on also report seconds a step (and of those, the loop's wait for its data); both train with
+``train.cpu_threads`` 1, as the CPU demo does. ``BENCH_LOG=INFO`` in the environment shows the stages' own log lines.
 
 Usage:
     .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04 04on --json out.json
@@ -365,7 +366,7 @@ def run_04on(toy: Path, work: Path, n: int, args) -> dict:
     sections = {"extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
                             "model_dtype": "bfloat16", "verify_tokens": 0},
                 "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": 256,
-                          "num_workers": 0, "eval_fraction": 0.0}}
+                          "num_workers": 0, "eval_fraction": 0.0, "cpu_threads": 1}}
     run_vocab(_config(toy, work / "run", **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, work / "run", **sections)
     # a spool of 4 full rows: what the prefetcher admits ahead of the loop (each row a slot and its requests'
@@ -401,7 +402,9 @@ def run_04(toy: Path, work: Path, n: int, args) -> dict:
     run = run.root
     sections = {"extract": {"input": "prepared", "model_dtype": "bfloat16"},
                 "train": {"data_source": "offline", "epochs": 2, "device": "cpu", "total_seq_len": 256,
-                          "num_workers": 0, "eval_fraction": 0.0}}
+                          "num_workers": 0, "eval_fraction": 0.0, "cpu_threads": 1}}
+    # cpu_threads 1 (04on too): with torch's 2 threads on the 2 shared cores a toy step took 4-5x longer and
+    # followed the other sessions' load (0.06-1.8 s a step at 10^4-10^6 rows); configs/demo.yaml does the same
     run_vocab(_config(toy, run, **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, run, **sections)
     steps = _step_clock(args.steady_steps)
@@ -454,10 +457,6 @@ def child(args) -> None:
     for module in stage.modules:
         importlib.import_module(module)
 
-    if args.flush_denormal:
-        import torch
-
-        torch.set_flush_denormal(True)
     me = psutil.Process()
     before = me.memory_info().rss
     anon_before, file_before = _rss_split()
@@ -648,9 +647,6 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, default=0, help="stage 01's prepare.num_proc (0: its default)")
     ap.add_argument("--steady-steps", type=int, default=30, help="04 / 04on: optimizer steps measured after the "
                                                                  "first (all when the run has fewer)")
-    ap.add_argument("--flush-denormal", action="store_true",
-                    help="torch.set_flush_denormal(True) in the stage's process: the toy draft's CPU steps on these "
-                         "repetitive rows meet subnormal floats, 4-5x slower a step (BENCHMARKS.md, Scale, steady)")
     ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -702,7 +698,7 @@ def main() -> None:
                         (folder / "input").symlink_to(template)
                 argv = [sys.executable, __file__, "--child", name, "--size", str(n), "--work", str(folder),
                         "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc),
-                        "--steady-steps", str(args.steady_steps)] + ["--flush-denormal"] * args.flush_denormal
+                        "--steady-steps", str(args.steady_steps)]
                 if args.stub_url:
                     argv += ["--stub-url", args.stub_url]
                 out = subprocess.run(argv, env=env, capture_output=True, text=True)
