@@ -4,9 +4,9 @@ tiny toy verifier.
 For every stage and size, the stage runs in a fresh process (so that its peak RSS is the stage's own), on inputs
 made beforehand (not timed), and the bench reports: the process's RSS before the stage and its peak, the growth
 (peak - before) and that growth per row, the peak RSS of its worker processes, the time to its first unit of work,
-and its steady state in seconds per 10^5 units (rows, requests or steps; for 04 and 04on also per step). From those it projects RAM and start-up to a dataset of 10^9 and
-6 * 10^9 tokens (``--tokens-per-row``, 10^4 by default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k
-samples).
+and its steady state in seconds per 10^5 units (rows, requests or steps; for 04 and 04on also per step). From
+those it projects RAM and start-up to a dataset of 10^9 and 6 * 10^9 tokens (``--tokens-per-row``, 10^4 by
+default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k samples).
 
 Stages (``STAGES``):
 
