@@ -426,8 +426,11 @@ class Stage:
 
 
 STAGES = {
-    "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",)),
-    "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",)),
+    # transformers' AutoTokenizer: eagle3pipe.chat imports it when a tokenizer is loaded (112c2ff), inside the stage
+    "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",
+                                                              "transformers.models.auto.tokenization_auto")),
+    "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",
+                                                               "transformers.models.auto.tokenization_auto")),
     "03": Stage(make_rows, "run", run_03, "rows", ("eagle3pipe.vocab", "speculators.train.vocab_mapping")),
     "02": Stage(make_02_resume, "run", run_02, "requests", ("eagle3pipe.extract", "eagle3pipe.extract_vllm",
                                                              "datasets")),
