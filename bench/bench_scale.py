@@ -4,11 +4,11 @@ tiny toy verifier.
 For every stage and size, the stage runs in a fresh process (so that its peak RSS is the stage's own), on inputs
 made beforehand (not timed), and the bench reports: the process's RSS before the stage and its peak, the growth
 (peak - before) and that growth per row, the peak RSS of its worker processes, the time to its first unit of work,
-and its steady state in seconds per 10^5 rows. From those it projects RAM and start-up to a dataset of 10^9 and
-6 * 10^9 tokens (``--tokens-per-row``, 10^4 by default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k
-samples).
+and its steady state in seconds per 10^5 units (rows, requests or steps; for 04 and 04on also per step). From
+those it projects RAM and start-up to a dataset of 10^9 and 6 * 10^9 tokens (``--tokens-per-row``, 10^4 by
+default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k samples).
 
-Stages (``STAGES``; 02's and 04's steady state past the first request or step are still to be added):
+Stages (``STAGES``):
 
 - ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default).
   First unit: the first row rendered and written; steady: the rows after it.
@@ -18,22 +18,33 @@ Stages (``STAGES``; 02's and 04's steady state past the first request or step ar
 - ``03``: N rows of 8-16 tokens -> run_vocab. First unit: the first row counted; steady: the rows after it.
 - ``02``: N rows of 8-16 tokens, of which 90 % are journalled as extracted by a run that stopped (a resume at 90 %;
   journal lines only, no files: nothing before the first request opens one) -> run_extract, vLLM backend, the stub
-  answering /v1/models. First unit: the first request (``Extractor._request``, where it is caught and the stage
-  stopped; the capture check's, as the stage sends it first). No steady state.
+  answering as our vLLM connector does (``stub_server``: each request's states written to the path it names, with
+  records.py's writer; random values, so ``extract.verify_min_agreement`` is 0: the capture check runs, its
+  agreement is not asked for). First unit: the first request (``Extractor._request``: the capture check's, as the
+  stage sends it first). Steady: the bulk requests' replies, from the first to the last of ``steady_02(n)`` (N / 20,
+  at most 20000) sent after the first, then the stage is stopped (before its finalize: the journalled rows have no
+  files); the few still in flight then are cancelled and not counted.
 - ``04``: N rows of 8-16 tokens and their hidden states (stage 02's output: the rows dataset, the manifest, a sample
   file per row, hard links of one random file per length; made beforehand, read only) -> run_vocab (03's output, in
   the child, as 04on), then run_train offline (2 epochs, no held-out rows, the DataLoader in the process). First
   unit: the first optimizer step done (the data, the model, every epoch's packing and plan, the loader, the step's
-  rows read and trained), stopped there. No steady state.
+  rows read and trained). Steady: the ``--steady-steps`` steps after it (30; all when the run has fewer), then the
+  stage is stopped; the peak RSS covers them too (the question: does a step's cost or memory grow with N? it
+  should not).
 - ``04on``: N rows of 8-16 tokens -> run_vocab (stage 03's output, in the child: its growth is 03's, flat), then
-  run_train with train.data_source online (2 epochs, the
-  stub answering /v1/models, ``extract.verify_tokens`` 0). First unit: the first request, the first packed row's
+  run_train with train.data_source online (2 epochs, the stub writing each request's states as for 02,
+  ``extract.verify_tokens`` 0, a spool of 4 full rows). First unit: the first request, the first packed row's
   (sent by the online source's prefetcher once the data, the model, every epoch's packing and plan and the source's
-  ``plan`` are set up), caught there. No steady state. (Before 2026-12-03's i27-slots the capture check was on and
-  its request, sent before ``plan``, was the first: the plan was not measured.)
+  ``plan`` are set up). Steady: the ``--steady-steps`` steps after the first, and the requests the prefetcher sent
+  meanwhile (the steady units; it runs 4 rows ahead of the loop). (Before 2026-12-03's i27-slots the capture check
+  was on and its request, sent before ``plan``, was the first: the plan was not measured.)
+
+04 and 04on also report seconds a step (and of those, the loop's wait for its data); both train with
+``train.cpu_threads`` 1, as the CPU demo does. ``BENCH_LOG=INFO`` in the environment shows the stages' own log lines.
 
 Usage:
     .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04 04on --json out.json
+    .venv/bin/python bench/bench_scale.py --sizes 10000 --stages 04 --steady-steps 100   # a longer steady state
     .venv/bin/python bench/bench_scale.py --repo /path/to/another/checkout ...   # another version, same inputs
 """
 
@@ -168,26 +179,83 @@ def make_04_states(folder: Path, n: int, *, toy: Path) -> None:
         bytes=0, input=str(dd.prepared_data), config_hash="bench"))
 
 
-class FirstStep(Exception):
-    """Raised once 04's first optimizer step is done: the bench stops the stage there."""
+class StopBench(Exception):
+    """Raised once a stage has done the units the bench measures (its first and a bounded steady state): the bench
+    stops the stage there."""
 
 
-class FirstRequest(Exception):
-    """Raised where a stage sends its first request to vLLM: the bench stops the stage there."""
+def steady_02(n: int) -> int:
+    """02's bulk requests sent past the first: half the unfinished 10 %, at most 20 000 (as 01b's), so the stage
+    is always stopped before its finalize (the rows journalled beforehand have no files). From 10^4 rows: below,
+    the capture check's ~170 samples leave fewer bulk requests than that."""
+    if n < 10000:
+        raise SystemExit(f"stage 02 needs --sizes of 10000 or more (got {n}): its steady state is {n // 20} of the "
+                         f"{n // 10} unfinished rows, of which the capture check takes ~170 first")
+    return min(n // 20, 20000)
 
 
-def _first_request_clock() -> dict:
-    """Time the first request stage 02's client sends (Extractor._request), and stop the stage there."""
+def _request_clock(limit: int | None) -> dict:
+    """Time the requests stage 02's client sends (Extractor._request): when the first was sent (the capture
+    check's, where there is one), when each bulk request's reply came (the check's, sent with prompt_logprobs,
+    are not the steady state); with ``limit``, the stage is stopped at the bulk request after the first
+    ``limit + 1``."""
     from eagle3pipe import extract_vllm
 
-    clock: dict = {}
+    clock: dict = {"sent": 0, "bulk_sent": 0, "replies": 0}
+    request = extract_vllm.Extractor._request
 
-    async def first(self, *args, **kwargs):
+    async def timed(self, idx, ids, path, prompt_logprobs):
+        bulk = not prompt_logprobs
+        if bulk and limit is not None and clock["bulk_sent"] > limit:
+            raise StopBench
+        clock["sent"] += 1
+        clock["bulk_sent"] += bulk
         clock.setdefault("first", time.monotonic())
-        raise FirstRequest
+        reply = await request(self, idx, ids, path, prompt_logprobs)
+        if bulk:
+            now = time.monotonic()
+            clock.setdefault("first_reply", now)
+            clock["last_reply"] = now
+            clock["replies"] += 1
+        return reply
 
-    extract_vllm.Extractor._request = first
+    extract_vllm.Extractor._request = timed
     return clock
+
+
+def _step_clock(limit: int, requests: dict | None = None) -> dict:
+    """Time 04's optimizer steps (TrainingLoop.train_step): the first done, then ``limit`` more (or every step
+    when the run has fewer), then stop the stage; ``requests`` (a _request_clock): the requests sent by the
+    first step's end and by the last's."""
+    from eagle3pipe import train
+
+    clock: dict = {"steps": 0}
+    step = train.TrainingLoop.train_step
+
+    def timed(self, *a, **kw):
+        out = step(self, *a, **kw)
+        now = time.monotonic()
+        clock["steps"] += 1
+        clock.setdefault("first", now)
+        clock["last"] = now
+        waited = self.waited.get("loader_wait_s", 0.0)  # the loop's wait for its data (the loader, or the spool)
+        clock.setdefault("first_wait", waited)
+        clock["last_wait"] = waited
+        if requests is not None:
+            clock.setdefault("first_sent", requests["sent"])
+            clock["last_sent"] = requests["sent"]
+        if clock["steps"] > limit:
+            raise StopBench
+        return out
+
+    train.TrainingLoop.train_step = timed
+    return clock
+
+
+def _steps_timings(start: float, first: float, steps: dict) -> dict:
+    return {"first_s": first - start, "steady_units": steps["steps"] - 1,
+            "steady_s": steps["last"] - steps["first"], "steady_steps": steps["steps"] - 1,
+            "steady_step_s": steps["last"] - steps["first"], "steady_wait_s": steps["last_wait"] - steps["first_wait"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,15 +342,20 @@ def run_03(toy: Path, work: Path, n: int, args) -> dict:
 def run_02(toy: Path, work: Path, n: int, args) -> dict:
     from eagle3pipe.extract import run_extract
 
+    # verify_min_agreement 0: the stub's states are random, so their top-1 is not the one it answers; the check's
+    # work (its requests, the head loaded, the files read and compared) is done all the same, first, as on vLLM
     cfg = _config(toy, work / "run", extract={"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
-                                              "model_dtype": "bfloat16"})
-    clock = _first_request_clock()
+                                              "model_dtype": "bfloat16", "verify_min_agreement": 0.0})
+    clock = _request_clock(steady_02(n))
     start = time.monotonic()
     try:
         run_extract(cfg)
-    except FirstRequest:
+    except StopBench:
         pass
-    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+    # the bulk requests still in flight when the stage stops are cancelled: a few fewer replies than sent
+    assert clock["replies"] > steady_02(n) // 2, clock
+    return {"first_s": clock["first"] - start, "steady_units": clock["replies"] - 1,
+            "steady_s": clock["last_reply"] - clock["first_reply"]}
 
 
 def run_04on(toy: Path, work: Path, n: int, args) -> dict:
@@ -293,24 +366,26 @@ def run_04on(toy: Path, work: Path, n: int, args) -> dict:
     sections = {"extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
                             "model_dtype": "bfloat16", "verify_tokens": 0},
                 "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": 256,
-                          "num_workers": 0, "eval_fraction": 0.0}}
+                          "num_workers": 0, "eval_fraction": 0.0, "cpu_threads": 1}}
     run_vocab(_config(toy, work / "run", **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, work / "run", **sections)
-    # a spool of 4 full rows: the rows admitted before the first request fails (each a slot and its requests'
-    # tasks) are the spool's window, bounded by spool_gb whatever N; 0.5 GB held ~3800 of these rows
+    # a spool of 4 full rows: what the prefetcher admits ahead of the loop (each row a slot and its requests'
+    # tasks) is bounded by spool_gb whatever N; 0.5 GB held ~3800 of these rows, which would count in the peak
     from eagle3pipe.records import hs_bytes_estimate
 
     cfg.train.spool_gb = 4 * hs_bytes_estimate(cfg.train.total_seq_len, 1, len(cfg.shared.aux_layer_ids) + 1,
                                                cfg.shared.hidden_size, cfg.extract.storage_dtype) / 1e9
-    clock = _first_request_clock()
+    requests = _request_clock(None)
+    steps = _step_clock(args.steady_steps, requests)
     start = time.monotonic()
     try:
         run_train(cfg)
-    except Exception as e:  # the FirstRequest, handed from the online source's thread to the training loop
-        if "first" not in clock:
-            raise
-        del e
-    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+    except StopBench:
+        pass
+    # steady: the steps after the first, and the requests the prefetcher sent meanwhile (it runs ahead of the
+    # loop by the spool, 4 rows, at both ends)
+    return {**_steps_timings(start, requests["first"], steps),
+            "steady_units": steps["last_sent"] - steps["first_sent"]}
 
 
 def run_04(toy: Path, work: Path, n: int, args) -> dict:
@@ -327,24 +402,18 @@ def run_04(toy: Path, work: Path, n: int, args) -> dict:
     run = run.root
     sections = {"extract": {"input": "prepared", "model_dtype": "bfloat16"},
                 "train": {"data_source": "offline", "epochs": 2, "device": "cpu", "total_seq_len": 256,
-                          "num_workers": 0, "eval_fraction": 0.0}}
+                          "num_workers": 0, "eval_fraction": 0.0, "cpu_threads": 1}}
+    # cpu_threads 1 (04on too): with torch's 2 threads on the 2 shared cores a toy step took 4-5x longer and
+    # followed the other sessions' load (0.06-1.8 s a step at 10^4-10^6 rows); configs/demo.yaml does the same
     run_vocab(_config(toy, run, **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, run, **sections)
-    clock: dict = {}
-    step = train.TrainingLoop.train_step
-
-    def first_step(self, *a, **kw):
-        out = step(self, *a, **kw)
-        clock.setdefault("first", time.monotonic())
-        raise FirstStep
-
-    train.TrainingLoop.train_step = first_step
+    steps = _step_clock(args.steady_steps)
     start = time.monotonic()
     try:
         train.run_train(cfg)
-    except FirstStep:
+    except StopBench:
         pass
-    return {"first_s": clock["first"] - start, "steady_units": 0, "steady_s": 0.0}
+    return _steps_timings(start, steps["first"], steps)
 
 
 @dataclasses.dataclass
@@ -357,8 +426,11 @@ class Stage:
 
 
 STAGES = {
-    "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",)),
-    "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",)),
+    # transformers' AutoTokenizer: eagle3pipe.chat imports it when a tokenizer is loaded (112c2ff), inside the stage
+    "01": Stage(make_conversations, "input", run_01, "rows", ("eagle3pipe.prepare",
+                                                              "transformers.models.auto.tokenization_auto")),
+    "01b": Stage(make_01b_resume, "run", run_01b, "requests", ("eagle3pipe.generate",
+                                                               "transformers.models.auto.tokenization_auto")),
     "03": Stage(make_rows, "run", run_03, "rows", ("eagle3pipe.vocab", "speculators.train.vocab_mapping")),
     "02": Stage(make_02_resume, "run", run_02, "requests", ("eagle3pipe.extract", "eagle3pipe.extract_vllm",
                                                              "datasets")),
@@ -379,7 +451,7 @@ def child(args) -> None:
 
     sys.path.insert(0, str(args.repo))
     os.chdir(args.repo)  # the package (and, for spawned workers, the stage module) from the checkout measured
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=getattr(logging, os.environ.get("BENCH_LOG", "WARNING")))  # INFO: the stages' lines
     work = Path(args.work)
     stage = STAGES[args.child]
     # the stage's module imported before the baseline: what the stage allocates is measured, not the libraries
@@ -436,11 +508,14 @@ def _rss_split() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The stub that stands in for vLLM (01b): answers every chat request at once with token ids; /stats says when the
-# first and the last request came
+# The stub that stands in for vLLM (01b, 02, 04on): answers every chat request at once with token ids; /stats says
+# when the first and the last request came. Extraction requests (/v1/completions) are answered as our vLLM
+# connector (eagle3pipe.vllm_connector) does: the prompt's states written with records.py's writer, atomically, to
+# the path the request names, its metadata the toy verifier's layers; the states are random bf16 (one tensor per
+# length, made once: the client checks their shape, dtype and finiteness, not their values)
 
 
-def stub_server(port_file: str) -> None:
+def stub_server(port_file: str, toy: str | None = None) -> None:
     from aiohttp import web
 
     stats = {"first": None, "last": None, "count": 0}
@@ -459,6 +534,40 @@ def stub_server(port_file: str) -> None:
         stats["count"] += 1
         return web.Response(text=body, content_type="application/json")
 
+    states_by_length: dict = {}
+    if toy is not None:
+        meta = json.loads((Path(toy) / "toy_verifier.json").read_text())
+        num_layers = json.loads((Path(toy) / "config.json").read_text())["num_hidden_layers"]
+        aux, hidden = meta["aux_layer_ids"], meta["hidden_size"]
+
+    def write_states(path: str, ids: list[int], storage_dtype: str) -> None:
+        import torch
+
+        from eagle3pipe.records import hs_file_metadata, hs_layer_ids, save_hidden_states
+
+        if len(ids) not in states_by_length:
+            g = torch.Generator().manual_seed(len(ids))
+            states_by_length[len(ids)] = torch.randn(len(ids), len(aux) + 1, hidden,
+                                                     generator=g).to(torch.bfloat16)  # [T, n, H]
+        save_hidden_states(Path(path), states_by_length[len(ids)], torch.tensor(ids), storage_dtype,
+                           metadata=hs_file_metadata(hs_layer_ids(aux, num_layers), num_layers))
+
+    async def completions(request):
+        body = json.loads(await request.read())
+        params = body["kv_transfer_params"]
+        ids = body["prompt"]
+        # in a thread, as the connector's writer: the file's fsync does not hold up the other requests
+        await asyncio.get_running_loop().run_in_executor(None, write_states, params["hidden_states_path"], ids,
+                                                         params.get("storage_dtype", "bf16"))
+        choice = {"index": 0, "text": "x", "finish_reason": "length"}
+        if body.get("prompt_logprobs"):  # vLLM's shape: None for the first token, then each prompt token's
+            choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": 0.0, "rank": 1, "decoded_token": "x"}}
+                                                  for t in ids[1:]]
+        return web.json_response({"id": "c", "object": "text_completion", "created": 0, "model": "stub",
+                                  "choices": [choice], "kv_transfer_params": {"hidden_states_path":
+                                                                              params["hidden_states_path"]},
+                                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}})
+
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model",
                                                               "max_model_len": 1 << 20}]})
@@ -472,6 +581,7 @@ def stub_server(port_file: str) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", models)
     app.router.add_get("/stats", get_stats)
@@ -538,6 +648,8 @@ def main() -> None:
                                                                "made once per size)")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose eagle3pipe is measured (inputs: this one's)")
     ap.add_argument("--num-proc", type=int, default=0, help="stage 01's prepare.num_proc (0: its default)")
+    ap.add_argument("--steady-steps", type=int, default=30, help="04 / 04on: optimizer steps measured after the "
+                                                                 "first (all when the run has fewer)")
     ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -547,7 +659,7 @@ def main() -> None:
     ap.add_argument("--stub-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.stub:
-        return stub_server(args.stub)
+        return stub_server(args.stub, args.toy)
     if args.child:
         return child(args)
 
@@ -564,7 +676,8 @@ def main() -> None:
     if {"01b", "02", "04on"} & set(args.stages):
         port_file = work / "stub.port"
         port_file.unlink(missing_ok=True)
-        stub = subprocess.Popen([sys.executable, __file__, "--stub", str(port_file)], env=env)
+        stub = subprocess.Popen([sys.executable, __file__, "--stub", str(port_file), "--toy", str(toy)],
+                                env={**env, "PYTHONPATH": str(REPO)})  # the stub writes with this checkout's writer
         while not port_file.exists():
             time.sleep(0.1)
         args.stub_url = f"http://127.0.0.1:{port_file.read_text()}"
@@ -587,7 +700,8 @@ def main() -> None:
                     if not (folder / "input").is_symlink():
                         (folder / "input").symlink_to(template)
                 argv = [sys.executable, __file__, "--child", name, "--size", str(n), "--work", str(folder),
-                        "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc)]
+                        "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc),
+                        "--steady-steps", str(args.steady_steps)]
                 if args.stub_url:
                     argv += ["--stub-url", args.stub_url]
                 out = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -600,12 +714,17 @@ def main() -> None:
                 r["bytes_per_row"] = r["growth"] / n
                 r["first_s_per_1e6_rows"] = r["first_s"] / n * 1e6
                 r["steady_s_per_1e5"] = r["steady_s"] / max(1, r["steady_units"]) * 1e5
+                per_step = ""
+                if "steady_steps" in r:
+                    r["steady_s_per_step"] = r["steady_step_s"] / max(1, r["steady_steps"])
+                    per_step = (f" ({r['steady_steps']} steps, {r['steady_s_per_step']:.3f} s a step, of which "
+                                f"{r['steady_wait_s'] / max(1, r['steady_steps']):.3f} s waiting for data)")
                 results.append(r)
                 print(f"{name:>4} {n:>9} rows: RSS {fmt_bytes(r['rss_before'])} -> peak {fmt_bytes(r['rss_peak'])} "
                       f"(+{fmt_bytes(r['growth'])}; sampled peaks: anonymous +{fmt_bytes(r['anon_growth'])}, "
                       f"file-backed +{fmt_bytes(r['file_growth'])}; workers {fmt_bytes(r['workers_peak'])}); first "
                       f"{stage.unit[:-1]} after {r['first_s']:.2f} s; steady {r['steady_s_per_1e5']:.1f} s per 1e5 "
-                      f"{stage.unit}; wall {r['wall_s']:.1f} s, CPU {r.get('cpu_s', 0):.1f} s (+ workers "
+                      f"{stage.unit}{per_step}; wall {r['wall_s']:.1f} s, CPU {r.get('cpu_s', 0):.1f} s (+ workers "
                       f"{r.get('workers_cpu_s', 0):.1f} s); load {r['load']:.1f}", flush=True)
                 shutil.rmtree(run_dir, ignore_errors=True)
     finally:
