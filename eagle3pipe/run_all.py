@@ -146,8 +146,14 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
         extra["01b_generate"] = ["--vllm-url", *vllm_url]
     hashes = stage_hashes(cfg)
     rows = []
+    online = cfg.train.data_source == "online"
+    if online:
+        print("run_all: train.data_source online: stage 02 is not run (04 extracts the states as it trains)",
+              file=sys.stderr)
     for name, pattern, _ in STAGES:
         if name == "01b_generate" and not has_server:
+            continue
+        if name == "02_extract" and online:  # a whole 02 first would spend its hours and disk for nothing
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),

@@ -266,6 +266,8 @@ def stage_status(dd: DataDir, cfg: PipelineConfig, name: str, drops: list[Drop])
     elif _started(dd, name):
         st.state, st.detail = _outcome(_current_run(dd.log_file(name), name), name)
     if st.state == "not started":
+        if name == "02_extract" and cfg.train.data_source == "online":
+            st.detail = "run_all does not run it: train.data_source online (04 extracts the states as it trains)"
         return st
     st.done, st.total, st.unit = _files_progress(dd, cfg, name)
     lines = _progress_lines(_current_run(dd.log_file(name), name), name)

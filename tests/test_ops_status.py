@@ -65,6 +65,18 @@ def _generate(cfg_path: Path, url: str, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.integration
+def test_an_online_run_s_stage_02_says_run_all_does_not_run_it(tmp_path):
+    from eagle3pipe.config import load_config
+    from eagle3pipe.status import stage_status
+
+    dd = DataDir(tmp_path / "data")
+    online = load_config(write_config(tmp_path, tmp_path / "verifier", train={"data_source": "online"}))
+    st = stage_status(dd, online, "02_extract", [])
+    assert st.state == "not started" and "train.data_source online" in st.detail
+    offline = load_config(write_config(tmp_path, tmp_path / "verifier", train={"data_source": "offline"}))
+    assert not stage_status(dd, offline, "02_extract", []).detail
+
+
 def test_status_while_01b_runs_after_it_is_killed_fails_and_finishes(tmp_path, toy_llama, toy_meta):
     import yaml
 

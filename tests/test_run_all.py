@@ -56,6 +56,11 @@ def test_plan_skips_01b_without_url_and_hashes_cascade(tmp_path):
     assert all(r["started"] == str(DataDir(tmp_path / "data").stage_started(r["name"])) for r in rows)
     with_url = plan(str(cfg_path), ["http://127.0.0.1:1"], REPO)
     assert [r["name"] for r in with_url][:3] == ["01_prepare", "01b_generate", "02_extract"]
+    # online: 04 extracts the states as it trains, so run_all does not run 02 first (its plan costs 02 nothing)
+    online = write_config(tmp_path, tmp_path / "verifier", train={"data_source": "online"})
+    assert [r["name"] for r in plan(str(online), ["http://127.0.0.1:1"], REPO)] == [
+        n for n, _, _ in STAGES if n != "02_extract"]
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")  # the offline config again, for the hashes below
     assert all(r["config"] == str(cfg_path.resolve()) for r in with_url)
 
     base = load_config(cfg_path)
