@@ -118,6 +118,13 @@ def _synthetic_finished(dd: DataDir) -> bool:
     return True
 
 
+def left_out(cfg, name: str) -> str:
+    """Why run_all does not run stage ``name`` for this config, or "" (01b without a server is ``plan``'s call)."""
+    if name == "02_extract" and cfg.train.data_source == "online":  # a whole 02 first would spend hours and disk
+        return "train.data_source online (04 extracts the states as it trains)"
+    return ""
+
+
 def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers: bool = False) -> list[dict]:
     overrides = {"shared": {"vllm_url": vllm_url}} if vllm_url else None
     cfg = load_config(config_path, overrides)
@@ -146,14 +153,11 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
         extra["01b_generate"] = ["--vllm-url", *vllm_url]
     hashes = stage_hashes(cfg)
     rows = []
-    online = cfg.train.data_source == "online"
-    if online:
-        print("run_all: train.data_source online: stage 02 is not run (04 extracts the states as it trains)",
-              file=sys.stderr)
     for name, pattern, _ in STAGES:
         if name == "01b_generate" and not has_server:
             continue
-        if name == "02_extract" and online:  # a whole 02 first would spend its hours and disk for nothing
+        if left_out(cfg, name):
+            print(f"run_all: stage {name} is not run: {left_out(cfg, name)}", file=sys.stderr)
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),

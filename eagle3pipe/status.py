@@ -35,7 +35,7 @@ from .config import ConfigError, PipelineConfig, load_config
 from .locks import LockHolder, holder_alive
 from .progress import format_duration, parse_line
 from .records import DataDir, load_hs_manifest, read_jsonl, read_provenance
-from .run_all import STAGES
+from .run_all import STAGES, left_out
 
 STATES = ("not started", "running", "crashed", "failed", "stopped", "done")
 LOG_TAIL_BYTES = 4 << 20  # the end of a stage's log read for its current run (progress lines every 30 s are short)
@@ -266,8 +266,8 @@ def stage_status(dd: DataDir, cfg: PipelineConfig, name: str, drops: list[Drop])
     elif _started(dd, name):
         st.state, st.detail = _outcome(_current_run(dd.log_file(name), name), name)
     if st.state == "not started":
-        if name == "02_extract" and cfg.train.data_source == "online":
-            st.detail = "run_all does not run it: train.data_source online (04 extracts the states as it trains)"
+        if left_out(cfg, name):
+            st.detail = f"run_all does not run it: {left_out(cfg, name)}"
         return st
     st.done, st.total, st.unit = _files_progress(dd, cfg, name)
     lines = _progress_lines(_current_run(dd.log_file(name), name), name)
