@@ -108,8 +108,8 @@ class SharedConfig:
     think_token_id: int = 163606  # id of <think>; cross-checked against the tokenizer at start
     response_token_id: int = 163607  # id of </think> (start of the visible response); cross-checked likewise
     aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k.
-    # What stage 02 captures (ascending); a draft reads these or the subset train.aux_layer_ids names (one extraction
-    # of the union serves an EAGLE-3 and a DFlash draft)
+    # What stage 02 captures (ascending, k >= 1); a draft reads these or the subset train.aux_layer_ids names (one
+    # extraction of the union serves an EAGLE-3 and a DFlash draft)
     hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
     vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
     draft_vocab_size: int = 32000  # size of the draft's own vocabulary (top tokens by supervised frequency)
@@ -366,6 +366,11 @@ class PipelineConfig:
         s = self.shared
         if not s.aux_layer_ids or sorted(set(s.aux_layer_ids)) != s.aux_layer_ids or min(s.aux_layer_ids) < 0:
             raise ConfigError(f"shared.aux_layer_ids must be ascending distinct layer ids, got {s.aux_layer_ids}")
+        if s.aux_layer_ids[0] == 0:
+            # vLLM's DeepSeek-V3 model (K2.5's) adds the residual to the state entering layer k, and there is none
+            # before layer 0: its engine dies at the first request, in stage 02 and when serving the draft alike
+            raise ConfigError(f"shared.aux_layer_ids {s.aux_layer_ids}: layer id 0 (the embeddings) cannot be "
+                              "captured by vLLM's DeepSeek-V3 model; use ids >= 1 (Kimi-K2.5: 2, 30, 58)")
         if s.draft_vocab_size > s.vocab_size:
             raise ConfigError(f"shared.draft_vocab_size {s.draft_vocab_size} exceeds shared.vocab_size {s.vocab_size}")
         if stage == "prepare":

@@ -56,7 +56,6 @@ from .records import (
     KeyCounts,
     KeySet,
     Question,
-    RowIndex,
     atomic_write_json,
     check_synthetic,
     id_key,

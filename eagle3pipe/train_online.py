@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from .cli import StageError, errors_allowed
+from .cli import StageError
 from .config import PipelineConfig
 from .progress import Progress
 from .records import (

@@ -45,6 +45,7 @@ def test_kimi_k25_dflash_yaml_is_z_labs_k25_draft():
     ({"draft": "dflash", "dflash_block_size": 1}, {}, "dflash_block_size must be >= 2"),
     ({"draft": "dflash", "train_lm_head": True}, {"draft_vocab_size": 163840}, "lm_head out"),
     ({}, {"aux_layer_ids": [30, 2]}, "ascending distinct layer ids"),
+    ({}, {"aux_layer_ids": [0, 30, 58]}, "layer id 0 .* cannot be captured"),
 ])
 def test_draft_settings_are_checked_at_start(train, shared, fragment):
     cfg = load_config(None, {"train": train, "shared": {"max_seq_len": 1024, **shared}})
