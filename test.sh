@@ -6,4 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup_env.sh --vllm
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# One torch/OpenMP thread in every process the tests start (stage scripts, run_all.sh, demo.sh), as the test
+# processes themselves use (conftest): two test processes share 2 cores, and toy ops on 2 threads each wait on each
+# other's time slices (a toy 04 step: 0.12 s on 1 thread, 0.5-1.8 s on 2). vLLM's CPU workers bind 1 core anyway.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
