@@ -1,59 +1,76 @@
 #!/bin/bash
-# Device side of issue 28's GPU runs (the lent H200: Python 3.12, torch 2.11+cu130, no vLLM, no network). Run from the
-# root of a copy of this repository (without data/: it comes from the checkout the device received, ../../data) with
-# vLLM 0.26.0's GPU bundle (../shared/gpu-vllm/build_bundle.sh: core.tar.xz, moe.tar.xz, unpack.py) in $BUNDLE and
-# the project's wheels the image lacks in $WHL (openai 3.57, httpx2/httpcore2, truststore, idna, anyio, speculators,
-# hs-connectors, datasets, dill, multiprocess, fsspec, pydantic-settings, python-dotenv). Phases, one device call
-# each (a call carries at most 64 MiB with the repository: the core bundle alone takes 45 MiB), the later ones while
-# the machine is still warm (/tmp is kept):
+# Device side of issue 28's GPU runs (the lent H200: Python 3.12, torch 2.11+cu130, no vLLM, no network), run from
+# the repository root the device receives, with vLLM 0.26.0's GPU bundle (../shared/gpu-vllm/build_bundle.sh ->
+# .vllmgpu/: core.tar.xz, moe.tar.xz, unpack.py) in $BUNDLE and the project's wheels the image lacks in $WHL
+# (.gpuwork/whl: openai 3.57, httpx2/httpcore2, truststore, idna, anyio, speculators, hs-connectors, datasets, dill,
+# multiprocess, fsspec, pydantic-settings, python-dotenv, loguru). A call carries at most 64 MiB with the repository
+# (15.5 MiB): the core bundle (45 MiB) leaves no room for the wheels, so the phases are device calls in a row, each
+# while the machine is still warm (/tmp is kept 30 s after a call); each unpacks only what /tmp/site lacks:
 #
-#   bash bench/gpu_route.sh core    # unpack vLLM (core) to /tmp/site; our transformers backend's per-layer times at
-#                                   # K2.5 dims (bench_slice_gpu.py --part transformers)
-#   bash bench/gpu_route.sh route   # unpack the MoE kernels, install the wheels to /tmp/ours, then every stage on the
-#                                   # GPU for both toys, 04 online, the connector drill (bench/gpu_route.py)
-#   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25"): the export on vLLM's EAGLE-3
-#                                   # and the verifier alone (on 2026-12-02 the five tracks at once left ci's 05 past
-#                                   # route's deadline)
+#   bash bench/gpu_route.sh probe   # carry core.tar.xz + unpack.py + a trained ci draft (data/demo/checkpoints/final
+#                                   # and data/demo/eval_prompts.jsonl from ./demo.sh): vLLM's EAGLE-3 serving of our
+#                                   # export with the standard library alone (bench/gpu_eagle3_probe.py)
+#   bash bench/gpu_route.sh core    # carry core.tar.xz: our transformers backend's per-layer times at K2.5 dims
+#                                   # (bench_slice_gpu.py --part transformers)
+#   bash bench/gpu_route.sh route   # carry moe.tar.xz + .gpuwork/whl: every stage on the GPU for the $TRACKS
+#                                   # (default ci,k25,online,drill,drill_vllm_example; bench/gpu_route.py)
+#   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25"): the export on vLLM's
+#                                   # EAGLE-3 and the verifier alone, when `route` ran out of time before it
 #   bash bench/gpu_route.sh slice   # K2.5-dims slices served by vLLM with our connector (bench_slice_gpu.py --part vllm)
-#
-# Every call must carry the source copy (.gpuwork/src): a call whose carry leaves it out finds it gone (seen: the
-# 05 rerun of 2026-12-02 then found no data/ci/verifier).
 #
 # vLLM's processes see /tmp/site and this repository only (gpu_route.py writes an interpreter wrapper); ours see
 # /tmp/ours first (openai 3.x) then /tmp/site (pydantic etc.). Logs and results go to $OUT.
 set -o pipefail
-BUNDLE=${BUNDLE:-../vllmgpu}
-WHL=${WHL:-../whl}
+BUNDLE=${BUNDLE:-.vllmgpu}
+WHL=${WHL:-.gpuwork/whl}
 OUT=${OUT:-/tmp/gpu_route_out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=1
-[ -d data/ci/verifier ] || { mkdir -p data && cp -r ../../data/ci data/; }
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+unpack() {  # unpack.py BUNDLE.tar.xz over /tmp/site unless that part is there already
+  if [ "$1" = core ] && [ -d /tmp/site/vllm ]; then return 0; fi
+  if [ "$1" = moe ] && [ -f /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so ]; then return 0; fi
+  python3 "$BUNDLE/unpack.py" "$BUNDLE/$1.tar.xz" && say "unpacked $1"
+}
+ours() {  # our wheels to /tmp/ours, once
+  [ -d /tmp/ours/speculators ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/ours "$WHL"/*.whl || return 1
+  say "wheels installed"
+}
 
 case "$1" in
+  probe)
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+    unpack core || exit 1
+    say "vllm: $(PYTHONPATH=/tmp/site python3 -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
+    PYTHONPATH=/tmp/site timeout "${PROBE_TIMEOUT_S:-540}" python3 bench/gpu_eagle3_probe.py \
+      --verifier data/ci/verifier --draft "${DRAFT:-data/demo/checkpoints/final}" \
+      --prompts "${PROMPTS:-data/demo/eval_prompts.jsonl}" --out "$OUT" > "$OUT/probe.log" 2>&1
+    say "gpu_eagle3_probe: exit $?"
+    tail -c 5000 "$OUT/probe.log"
+    ;;
   core)
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
-    python3 "$BUNDLE/unpack.py" "$BUNDLE/core.tar.xz" || exit 1
+    unpack core || exit 1
     say "vllm: $(PYTHONPATH=/tmp/site python3 -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
     timeout 300 python3 bench/bench_slice_gpu.py --work /tmp/slice --out "$OUT" --part transformers \
       > "$OUT/slice_transformers.log" 2>&1; say "bench_slice_gpu transformers: exit $?"
     tail -25 "$OUT/slice_transformers.log"
     ;;
   route)
-    python3 "$BUNDLE/unpack.py" "$BUNDLE/core.tar.xz" "$BUNDLE/moe.tar.xz" || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ours \
-      "$WHL"/*.whl || exit 1
-    say "wheels installed"
+    unpack core && unpack moe && ours || exit 1
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 565 python3 bench/gpu_route.py --work /tmp/gr --out "$OUT" --vllm-site /tmp/site \
-      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" > "$OUT/gpu_route.log" 2>&1
+      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" \
+      --eval-flags "${EVAL_FLAGS:-}" > "$OUT/gpu_route.log" 2>&1
     say "gpu_route: exit $?"
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20
     python3 -c "import json,sys; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-7000:])"
     ;;
   eval)
+    ours || exit 1
     export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python
     for c in ${CONFIGS:-ci}; do
       timeout 280 python3 05_evaluate.py --config "/tmp/gr/$c.yaml" > "$OUT/${c}_05.log" 2>&1; say "05 $c: exit $?"
@@ -61,11 +78,12 @@ case "$1" in
     done
     ;;
   slice)
+    unpack core && unpack moe && ours || exit 1
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 570 python3 bench/bench_slice_gpu.py --work /tmp/slice --out "$OUT" --part vllm --vllm-site /tmp/site "${@:2}" \
       > "$OUT/slice_vllm.log" 2>&1; say "bench_slice_gpu vllm: exit $?"
     tail -c 6000 "$OUT/slice_vllm.log"
     tar -czf "$OUT/slice_logs.tar.gz" -C /tmp/slice --wildcards '*.log' 2>/dev/null
     ;;
-  *) echo "usage: bash bench/gpu_route.sh core|route|eval|slice" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_route.sh probe|core|route|eval|slice" >&2; exit 2 ;;
 esac

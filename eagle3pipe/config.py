@@ -289,6 +289,10 @@ class EvaluateConfig:
     # CPU adds --enforce-eager and VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set in the environment); GPU adds neither
     tensor_parallel_size: int = 0  # --tensor-parallel-size of servers started here; 0 = every GPU vLLM sees (CPU: 1)
     server_start_timeout_s: float = 3600.0  # seconds to wait for a started server to answer (K2.5 loads for minutes)
+    draft_attention_backend: str = "auto"  # vLLM attention backend of an EAGLE-3 draft alone ("attention_backend" in
+    # --speculative-config): "auto" = FLEX_ATTENTION on a GPU with vLLM 0.26-0.28 when the draft's heads, KV heads or
+    # head size differ from the verifier's (every K2.5 draft: MLA), where FlashAttention-3 dies at start-up
+    # (vllm#53336, fixed in 0.29), else vLLM's choice; "none" = always vLLM's choice; or a backend name (FLASH_ATTN, ...)
 
 
 @dataclass
@@ -444,6 +448,10 @@ class PipelineConfig:
                 raise ConfigError("evaluate.baseline_draft needs shared.verifier: each draft gets a server started here")
             if not ev.eval_url and not s.verifier:
                 raise ConfigError("shared.verifier is empty: pass --verifier DIR (or --eval-url of a running server)")
+            if ev.draft_attention_backend not in ("auto", "none") and not re.fullmatch(r"[A-Z][A-Z0-9_]*",
+                                                                                   ev.draft_attention_backend):
+                raise ConfigError("evaluate.draft_attention_backend must be auto, none or a vLLM backend name such as "
+                                  f"FLEX_ATTENTION, got {ev.draft_attention_backend!r}")
             if ev.vllm_platform not in ("auto", "cpu", "gpu"):
                 raise ConfigError(f"evaluate.vllm_platform must be auto, cpu or gpu, got {ev.vllm_platform!r}")
             if ev.tensor_parallel_size < 0 or ev.server_start_timeout_s <= 0:

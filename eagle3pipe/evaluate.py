@@ -141,14 +141,71 @@ def server_version(url: str) -> str:
         return "unknown"
 
 
-def speculative_config(draft_dir: Path, k: int) -> str:
-    """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k``, DFlash at its own k (the block
-    it was trained for, minus the verified token)."""
+def speculative_config(draft_dir: Path, k: int, attention_backend: str | None = None) -> str:
+    """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k`` (with the draft's own attention
+    backend when one is given, see draft_attention_backend), DFlash at its own k (the block it was trained for,
+    minus the verified token)."""
     config = json.loads((draft_dir / "config.json").read_text())
     if draft_dflash.is_dflash_config(config):
         return json.dumps({"method": "dflash", "model": str(draft_dir),
                            "num_speculative_tokens": draft_dflash.speculative_tokens(config)})
-    return json.dumps({"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k})
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    if attention_backend:
+        spec["attention_backend"] = attention_backend
+    return json.dumps(spec)
+
+
+# vLLM before 0.29 plans FlashAttention-3's schedule for every attention layer with the *target's* query heads, KV
+# heads and head size (FlashAttentionMetadataBuilder reads the model-wide config; vllm#53002/#53336 read each
+# group's own, first in 0.29.0). A draft whose geometry differs then dies at start-up with "scheduler_metadata must
+# have shape (metadata_size)" (seen on the H200 with 0.26.0, BENCHMARKS.md); every K2.5 draft differs (the target
+# is MLA). The FlexAttention builder uses none of those values, so the draft alone runs on it there; the V2 model
+# runner those versions default to ignores the speculative config's attention_backend, so the V1 one serves.
+FA3_TARGET_GEOMETRY_FIXED_IN = (0, 29)
+FA3_WORKAROUND_BACKEND = "FLEX_ATTENTION"
+FA3_WORKAROUND_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def attention_geometry(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a model's attention as vLLM sizes its KV cache: MLA (a
+    ``kv_lora_rank``) caches one latent of kv_lora_rank + qk_rope_head_dim per token."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    heads = int(get("num_attention_heads"))
+    if get("kv_lora_rank"):
+        return heads, 1, int(get("kv_lora_rank")) + int(get("qk_rope_head_dim"))
+    return heads, int(get("num_key_value_heads") or heads), int(get("head_dim") or int(get("hidden_size")) // heads)
+
+
+def _vllm_release(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
+                  vllm_version: str) -> tuple[str | None, dict[str, str]]:
+    """(the attention backend to ask for the EAGLE-3 draft alone or None for vLLM's choice, the server's extra
+    environment): ``evaluate.draft_attention_backend`` when it names one; with "auto", FLEX_ATTENTION on the V1
+    model runner where vLLM < 0.29 on a GPU would give FlashAttention-3 the verifier's geometry for a draft of
+    another one (see above)."""
+    choice = cfg.evaluate.draft_attention_backend
+    release = _vllm_release(vllm_version)
+    old = platform == "gpu" and release is not None and release < FA3_TARGET_GEOMETRY_FIXED_IN
+    if choice == "none":
+        return None, {}
+    if choice != "auto":
+        return choice, dict(FA3_WORKAROUND_ENV) if old else {}
+    if not old:
+        return None, {}
+    layer = draft_config.get("transformer_layer_config") or draft_config
+    ours, theirs = attention_geometry(layer), attention_geometry(_verifier_text_config(
+        str(Path(cfg.shared.verifier).resolve()), cfg.shared.trust_remote_code))
+    if ours == theirs:
+        return None, {}
+    log.warning("vLLM %s on a GPU plans FlashAttention-3 for the draft with the verifier's attention geometry "
+                "(heads, KV heads, head size %s; the draft's: %s) and dies at start-up (vllm#53336, fixed in 0.29): "
+                "the draft runs on %s, the server on the V1 model runner (evaluate.draft_attention_backend)",
+                vllm_version, theirs, ours, FA3_WORKAROUND_BACKEND)
+    return FA3_WORKAROUND_BACKEND, dict(FA3_WORKAROUND_ENV)
 
 
 def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
@@ -171,11 +228,10 @@ def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
 
 
 @functools.cache
-def _text_hidden_size(verifier: str, trust_remote_code: bool) -> int:
+def _verifier_text_config(verifier: str, trust_remote_code: bool):
     from .verifier import load_text_config
 
-    text, _ = load_text_config(verifier, trust_remote_code)
-    return int(text.hidden_size)
+    return load_text_config(verifier, trust_remote_code)[0]
 
 
 def verifier_hidden_size(cfg: PipelineConfig) -> int:
@@ -185,7 +241,7 @@ def verifier_hidden_size(cfg: PipelineConfig) -> int:
     if not (folder / "config.json").is_file():
         raise StageError(f"--verifier {folder}: no config.json there (a verifier folder in HF layout)")
     try:
-        return _text_hidden_size(str(folder.resolve()), cfg.shared.trust_remote_code)
+        return int(_verifier_text_config(str(folder.resolve()), cfg.shared.trust_remote_code).hidden_size)
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise StageError(f"--verifier {folder / 'config.json'}: cannot be read as a model config ({e})") from None
 
@@ -328,21 +384,23 @@ def server_settings(cfg: PipelineConfig) -> dict:
 
 @contextmanager
 def _server(url: str, model_dir: str, extra_args: list[str], log_file: Path, served_name: str, settings: dict,
-            what: str):
-    """Use the server at ``url`` when given, else start one (stopped on exit). Yields (URL, how it was started:
-    the exact command line and the start-up time, or the URL of a server started elsewhere)."""
+            what: str, env: dict[str, str] | None = None):
+    """Use the server at ``url`` when given, else start one (stopped on exit) with ``env`` added to its
+    environment. Yields (URL, how it was started: the exact command line, the environment set here and the
+    start-up time, or the URL of a server started elsewhere)."""
     if url:
         yield url.rstrip("/"), {"url": url.rstrip("/"), "started_here": False}
         return
     kwargs = {k: v for k, v in settings.items() if k not in ("extra_args", "per_request_metrics", "platform")}
     server = VllmServer(model_dir, extra_args=extra_args + settings["extra_args"], log_file=log_file,
-                        served_model_name=served_name, **kwargs)
+                        served_model_name=served_name, env=env, **kwargs)
     try:
         server.start()
     except ServerError as e:  # a known failure (e.g. vLLM refused the draft): one line naming the log
         raise StageError(f"{what}: {e}\n(evaluate.server_args, evaluate.server_start_timeout_s)") from None
     started = {"started_here": True, "command": server.command(), "log": str(log_file),
-               "env": {"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {},
+               "env": ({"VLLM_CPU_KVCACHE_SPACE": str(server.kv_cache_gib)} if server.kv_cache_gib else {})
+               | (env or {}),
                "start_s": round(server.start_seconds or 0.0, 1)}
     try:
         yield server.url, started
@@ -481,12 +539,15 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
     drafts_out, ks = [], {}
     for name, folder in columns:
         url = ev.eval_url if name == EXPORTED_DRAFT else ""
+        backend, env = (None, {}) if url else draft_serving(
+            cfg, json.loads((folder / "config.json").read_text()), settings["platform"]["platform"],
+            settings["platform"]["vllm_python_version"])
         spec_args = [] if url else ["--speculative-config", speculative_config(folder.resolve(),
-                                                                               ev.num_speculative_tokens)]
+                                                                               ev.num_speculative_tokens, backend)]
         if settings.get("per_request_metrics") and PER_REQUEST_FLAG not in ev.server_args:
             spec_args += [PER_REQUEST_FLAG, "summary"]
         with _server(url, cfg.shared.verifier, spec_args, dd.eval_server_log(_log_name(name)), served_name,
-                     settings, f"draft {name!r} ({folder})") as (server_url, how):
+                     settings, f"draft {name!r} ({folder})", env) as (server_url, how):
             how["vllm_version"] = server_version(server_url)
             runs[name] = measure_server(server_url, sets, cfg, with_draft=True, column=name)
         acceptance[name] = {s: per_set.pop("acceptance") for s, per_set in runs[name].items()}

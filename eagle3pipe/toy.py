@@ -305,9 +305,15 @@ def release_text_config_dict(text_cfg) -> dict:
     return d
 
 
-def text_config(flavour: str, num_layers: int = 8, release_tokenizer: bool = False):
+# MLA head dims (qk_nope, v) per choice: the toy's small ones, or K2.5's own, which vLLM's GPU MLA prefill needs
+# (0.26's FlashAttention MLA prefill takes nope/rope/v 128/64/128, 64/64/128 or 192/64/256 and refuses 32/64/32).
+MLA_HEAD_DIMS = {"toy": (32, 32), "release": (128, 128)}
+
+
+def text_config(flavour: str, num_layers: int = 8, release_tokenizer: bool = False, mla_dims: str = "toy"):
     """The toy text config: tiny, but with head_dim >= 32 (vLLM CPU attention) and K2.5's MLA latent (512 + 64).
-    ``release_tokenizer``: sized for the release-shaped tokenizer (BPE ranks + 256 specials) instead of the fast one."""
+    ``release_tokenizer``: sized for the release-shaped tokenizer (BPE ranks + 256 specials) instead of the fast one.
+    ``mla_dims``: a key of MLA_HEAD_DIMS ("release" for a toy vLLM's GPU build can serve)."""
     from transformers import DeepseekV3Config, LlamaConfig
 
     if release_tokenizer:
@@ -321,6 +327,7 @@ def text_config(flavour: str, num_layers: int = 8, release_tokenizer: bool = Fal
     if flavour == "llama":
         return LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=32, rope_theta=10000.0, max_position_embeddings=4096, **common)
+    nope, v = MLA_HEAD_DIMS[mla_dims]
     return DeepseekV3Config(
         hidden_size=128,
         intermediate_size=256,
@@ -338,8 +345,8 @@ def text_config(flavour: str, num_layers: int = 8, release_tokenizer: bool = Fal
         q_lora_rank=64,
         kv_lora_rank=512,  # vLLM CPU's MLA decode kernel accepts only K2.5's latent: 512 + rope 64
         qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        qk_nope_head_dim=nope,
+        v_head_dim=v,
         **(common | RELEASE_ROPE),
     )
 
@@ -350,13 +357,16 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 0, num_layers: int = 8,
-                       dtype: str = "bfloat16") -> Path:
-    """Write tokenizer + model of ``flavour`` into ``out_dir``; returns the folder. Same seed, same bytes."""
+                       dtype: str = "bfloat16", mla_dims: str = "toy") -> Path:
+    """Write tokenizer + model of ``flavour`` into ``out_dir``; returns the folder. Same seed, same bytes.
+    ``mla_dims`` (MLA flavours): "toy" or "release" head dims (MLA_HEAD_DIMS)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     if flavour not in FLAVOURS:
         raise ValueError(f"unknown toy flavour {flavour!r} (choose from {', '.join(FLAVOURS)})")
+    if mla_dims not in MLA_HEAD_DIMS:
+        raise ValueError(f"unknown MLA head dims {mla_dims!r} (choose from {', '.join(MLA_HEAD_DIMS)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     release_tokenizer = flavour == "kimi_k25"  # the release-shaped toy has the release's tokenizer layout too
@@ -365,7 +375,7 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
     else:
         build_tokenizer(out)
     torch.manual_seed(seed)
-    cfg = text_config("llama" if flavour == "llama" else "deepseek_v3", num_layers, release_tokenizer)
+    cfg = text_config("llama" if flavour == "llama" else "deepseek_v3", num_layers, release_tokenizer, mla_dims)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _scale_init_(model, seed)
     model = model.to(getattr(torch, dtype))
@@ -456,6 +466,9 @@ def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: st
         "model_type": "kimi_k25_vision", "patch_size": patch, "num_attention_heads": 2, "num_hidden_layers": 1,
         "hidden_size": vis_hidden, "intermediate_size": vis_mlp, "pos_emb_height": pos_hw, "pos_emb_width": pos_hw,
         "pos_emb_time": 4, "merge_kernel_size": [merge, merge], "hidden_act": "gelu_pytorch_tanh",
+        # the release's names for the same sizes: vLLM 0.26 reads only these (default 64 x 64: seen on the H200, the
+        # toy's 8 x 8 table refused), 0.32 either, transformers' own class only the names above
+        "init_pos_emb_height": pos_hw, "init_pos_emb_width": pos_hw, "init_pos_emb_time": 4,
     }
     config = {
         "architectures": ["KimiK25ForConditionalGeneration"],
@@ -489,9 +502,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--mla-dims", default="toy", choices=list(MLA_HEAD_DIMS),
+                   help="MLA flavours: qk_nope/v head dims, the toy's 32/32 or K2.5's 128/128 (vLLM's GPU MLA "
+                        "prefill refuses 32/32)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build_toy_verifier(args.out, args.flavour, args.seed, args.num_layers, args.dtype)
+    build_toy_verifier(args.out, args.flavour, args.seed, args.num_layers, args.dtype, args.mla_dims)
 
 
 if __name__ == "__main__":

@@ -279,7 +279,8 @@ if sys.argv[1] == "-c":
         print("EAGLE3PIPE_PROBE " + answer)
     sys.exit(0 if answer else 1)
 with open(os.environ["FAKE_VLLM_RECORD"], "a") as f:
-    f.write(json.dumps({{"argv": sys.argv[1:], "kv_cache": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}}) + "\\n")
+    f.write(json.dumps({{"argv": sys.argv[1:], "kv_cache": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                        "v2_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}) + "\\n")
 if os.environ.get("FAKE_VLLM_HANG"):
     time.sleep(600)
 if os.environ.get("FAKE_VLLM_LOG"):  # what a failing start printed (a real one's log)
@@ -392,6 +393,46 @@ def test_cpu_settings_only_for_a_cpu_build_and_replaced_by_server_args(tmp_path,
     assert "--enforce-eager" not in argv and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     code, err, _ = _evaluate_with_fake_vllm(tmp_path / "d", monkeypatch, capsys, {})
     assert code == 2 and "evaluate.vllm_platform" in err
+
+
+def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_flex_and_the_v1_runner(
+        tmp_path, monkeypatch, capsys):
+    """vLLM < 0.29 plans FlashAttention-3 for the draft with the verifier's heads, KV heads and head size, and a
+    draft of another geometry dies at start-up (seen on the H200 with 0.26: "scheduler_metadata must have shape");
+    its V2 model runner ignores the draft's own attention_backend. 05 asks for FlexAttention for the draft and the
+    V1 runner exactly there: a GPU build before 0.29 and a geometry that differs, MLA always (one latent "head")."""
+    from tests.test_draft_fixtures import DRAFT_HEAD_DIM, DRAFT_HEADS, DRAFT_KV_HEADS, TOY_HIDDEN
+
+    same = {"model_type": "llama", "hidden_size": TOY_HIDDEN, "num_attention_heads": DRAFT_HEADS,
+            "num_key_value_heads": DRAFT_KV_HEADS, "head_dim": DRAFT_HEAD_DIM}
+    mla = {"model_type": "deepseek_v3", "hidden_size": TOY_HIDDEN, "num_attention_heads": DRAFT_HEADS,
+           "num_key_value_heads": DRAFT_HEADS, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+           "v_head_dim": 128}
+    cases = [  # (verifier config, vLLM build, CPU build, flags, expected draft backend, VLLM_USE_V2_MODEL_RUNNER)
+        (same | {"num_key_value_heads": DRAFT_HEADS}, "0.26.0", False, (), "FLEX_ATTENTION", "0"),
+        (same | {"head_dim": 2 * DRAFT_HEAD_DIM}, "0.28.0", False, (), "FLEX_ATTENTION", "0"),
+        (mla, "0.26.0", False, (), "FLEX_ATTENTION", "0"),
+        (same, "0.26.0", False, (), None, None),  # the same geometry: FlashAttention-3 plans it right
+        (mla, "0.29.0", False, (), None, None),  # fixed there (vllm#53336)
+        (mla, "0.26.0", True, (), None, None),  # a CPU build
+        (mla, "0.26.0", False, ("--draft-attention-backend", "none"), None, None),
+        (same, "0.33.0", False, ("--draft-attention-backend", "TRITON_ATTN"), "TRITON_ATTN", None),
+        (same, "0.27.1", False, ("--draft-attention-backend", "TRITON_ATTN"), "TRITON_ATTN", "0"),
+    ]
+    for i, (config, version, cpu, flags, backend, v2_runner) in enumerate(cases):
+        verifier = tmp_path / f"verifier{i}"
+        verifier.mkdir(parents=True)
+        (verifier / "config.json").write_text(json.dumps(config))
+        probe = json.dumps({"cpu": cpu, "count": 1, "prm": True, "version": version})
+        _, err, starts = _evaluate_with_fake_vllm(tmp_path / f"run{i}", monkeypatch, capsys,
+                                                  {"FAKE_VLLM_PROBE": probe}, *flags, verifier=verifier)
+        argv = starts[0]["argv"]
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert (spec.get("attention_backend"), starts[0]["v2_runner"]) == (backend, v2_runner), (i, err)
+        assert ("vllm#53336" in err) == (backend == "FLEX_ATTENTION"), (i, err)  # the warning says why
+    code, err, _ = _evaluate_with_fake_vllm(tmp_path / "bad", monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD},
+                                            "--draft-attention-backend", "flex")
+    assert code == 2 and "evaluate.draft_attention_backend" in err, err
 
 
 def test_server_start_timeout_is_a_config_key(tmp_path, monkeypatch, capsys):

@@ -97,3 +97,24 @@ def test_kimi_k25_toy_names_the_release_specials_and_its_template_declares_tools
     assert rendered(tools_ts_str="# Tools TS") == "<|im_system|>tool_declare<|im_middle|># Tools TS<|im_end|>" + turn
     assert rendered() == ("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":"))
                           + "<|im_end|>" + turn)
+
+
+def test_kimi_k25_toy_at_the_release_mla_dims_vllm_gpu_serves(tmp_path, toy_kimi):
+    """``--mla-dims release``: K2.5's own MLA head dims (nope 128, rope 64, v 128), which vLLM's GPU MLA prefill
+    needs (0.26 refused the toy's 32/64/32 on the H200), with the toy's tokenizer and layout otherwise; and the vision
+    tower's position table named as the release names it (vLLM 0.26 reads only init_pos_emb_*, default 64 x 64, and
+    refused the toy's 8 x 8 table): every name of its size agrees with the tensor."""
+    out = build_toy_verifier(tmp_path / "k25_release_dims", "kimi_k25", seed=0, mla_dims="release")
+    text_cfg, _ = load_text_config(out)
+    assert (text_cfg.qk_nope_head_dim, text_cfg.qk_rope_head_dim, text_cfg.v_head_dim) == (128, 64, 128)
+    assert text_cfg.kv_lora_rank == 512
+    tensors = load_file(out / "model.safetensors")
+    q_b = tensors["language_model.model.layers.0.self_attn.q_b_proj.weight"]
+    assert q_b.shape[0] == text_cfg.num_attention_heads * (128 + 64)  # the weights have those dims, not only config
+    for folder in (out, toy_kimi):
+        vision = json.loads((folder / "config.json").read_text())["vision_config"]
+        h, w, _ = load_file(folder / "model.safetensors")["vision_tower.patch_embed.pos_emb.weight"].shape
+        assert (vision["init_pos_emb_height"], vision["init_pos_emb_width"]) == (h, w)
+        assert (vision["pos_emb_height"], vision["pos_emb_width"]) == (h, w)
+    assert (json.loads((out / "tokenizer_config.json").read_text())
+            == json.loads((toy_kimi / "tokenizer_config.json").read_text()))
