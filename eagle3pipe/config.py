@@ -292,7 +292,8 @@ class EvaluateConfig:
     draft_attention_backend: str = "auto"  # vLLM attention backend of an EAGLE-3 draft alone ("attention_backend" in
     # --speculative-config): "auto" = FLEX_ATTENTION on a GPU with vLLM 0.26-0.28 when the draft's heads, KV heads or
     # head size differ from the verifier's (every K2.5 draft: MLA), where FlashAttention-3 dies at start-up
-    # (vllm#53336, fixed in 0.29), else vLLM's choice; "none" = always vLLM's choice; or a backend name (FLASH_ATTN, ...)
+    # (vllm#53336, fixed in 0.29), else vLLM's choice; "none" = always vLLM's choice; or a backend name (FLASH_ATTN,
+    # ...; on vLLM < 0.29 with the V1 model runner, the one that reads it). DFlash drafts: vLLM's choice always
 
 
 @dataclass

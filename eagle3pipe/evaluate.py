@@ -143,7 +143,7 @@ def server_version(url: str) -> str:
 
 def speculative_config(draft_dir: Path, k: int, attention_backend: str | None = None) -> str:
     """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k`` (with the draft's own attention
-    backend when one is given, see draft_attention_backend), DFlash at its own k (the block it was trained for,
+    backend when one is given, see draft_serving), DFlash at its own k (the block it was trained for,
     minus the verified token)."""
     config = json.loads((draft_dir / "config.json").read_text())
     if draft_dflash.is_dflash_config(config):
@@ -184,9 +184,11 @@ def _vllm_release(version: str) -> tuple[int, int] | None:
 def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
                   vllm_version: str) -> tuple[str | None, dict[str, str]]:
     """(the attention backend to ask for the EAGLE-3 draft alone or None for vLLM's choice, the server's extra
-    environment): ``evaluate.draft_attention_backend`` when it names one; with "auto", FLEX_ATTENTION on the V1
-    model runner where vLLM < 0.29 on a GPU would give FlashAttention-3 the verifier's geometry for a draft of
-    another one (see above)."""
+    environment) of an EAGLE-3 draft: ``evaluate.draft_attention_backend`` when it names one (on the V1 model runner
+    where vLLM < 0.29 runs V2, which would ignore it); with "auto", FLEX_ATTENTION on the V1 runner where vLLM < 0.29
+    on a GPU would give FlashAttention-3 the verifier's geometry for a draft of another one (see above)."""
+    if draft_dflash.is_dflash_config(draft_config):  # vLLM picks a non-causal backend for DFlash itself
+        return None, {}
     choice = cfg.evaluate.draft_attention_backend
     release = _vllm_release(vllm_version)
     old = platform == "gpu" and release is not None and release < FA3_TARGET_GEOMETRY_FIXED_IN

@@ -433,6 +433,13 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
     code, err, _ = _evaluate_with_fake_vllm(tmp_path / "bad", monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD},
                                             "--draft-attention-backend", "flex")
     assert code == 2 and "evaluate.draft_attention_backend" in err, err
+    # a DFlash draft: vLLM chooses its non-causal backend itself, on any version
+    from eagle3pipe import draft_dflash
+    from eagle3pipe.config import load_config
+    from eagle3pipe.evaluate import draft_serving
+
+    cfg = load_config(None, {"shared": {"verifier": str(tmp_path / "verifier2")}})
+    assert draft_serving(cfg, {"speculators_model_type": draft_dflash.SPECULATORS_TYPE}, "gpu", "0.26.0") == (None, {})
 
 
 def test_server_start_timeout_is_a_config_key(tmp_path, monkeypatch, capsys):
