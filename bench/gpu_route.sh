@@ -64,7 +64,7 @@ case "$1" in
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 565 python3 bench/gpu_route.py --work /tmp/gr --out "$OUT" --vllm-site /tmp/site \
       --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" \
-      --eval-flags "${EVAL_FLAGS:-}" > "$OUT/gpu_route.log" 2>&1
+      > "$OUT/gpu_route.log" 2>&1
     say "gpu_route: exit $?"
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20
     python3 -c "import json,sys; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-7000:])"
