@@ -442,6 +442,19 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
     assert draft_serving(cfg, {"speculators_model_type": draft_dflash.SPECULATORS_TYPE}, "gpu", "0.26.0") == (None, {})
 
 
+def test_before_vllm_0_29_the_release_shaped_k25_verifier_gets_the_draft_on_flex(tmp_path, monkeypatch, capsys,
+                                                                                 toy_kimi):
+    """The same rule read through the release's layout (KimiK25 wrapper, nested kimi_k2 text config, remote-code
+    tokenizer): 05 unwraps the verifier's MLA geometry and serves the draft on FlexAttention with the V1 runner."""
+    probe = json.dumps({"cpu": False, "count": 1, "prm": True, "version": "0.26.0"})
+    _, err, starts = _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys, {"FAKE_VLLM_PROBE": probe},
+                                              verifier=toy_kimi)
+    argv = starts[0]["argv"]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert (spec.get("attention_backend"), starts[0]["v2_runner"]) == ("FLEX_ATTENTION", "0"), err
+    assert "--trust-remote-code" in argv and "576" in err  # its geometry named in the warning: one 512 + 64 latent
+
+
 def test_server_start_timeout_is_a_config_key(tmp_path, monkeypatch, capsys):
     code, err, starts = _evaluate_with_fake_vllm(tmp_path, monkeypatch, capsys,
                                                  {"FAKE_VLLM_PROBE": GPU_BUILD, "FAKE_VLLM_HANG": "1"},
