@@ -135,8 +135,9 @@ def _teacher_forced(a_dir: Path, b_dir: Path, n: int = 48) -> tuple[float, float
 
 
 @pytest.mark.integration
-def test_ci_verifier_command_rebuilds_the_shipped_one(tmp_path):
-    """The shipped ci verifier is what `python -m eagle3pipe.toy_reasoning --size ci` builds.
+def test_ci_verifier_command_rebuilds_the_shipped_one(ci_verifier_rebuilt):
+    """The shipped ci verifier is what `python -m eagle3pipe.toy_reasoning --size ci` builds: the command its
+    toy_reasoning.json records, run beside the suite at idle priority from the start of the run (conftest).
 
     Bytes are not pinned, behaviour is. The build trains on one CPU thread, so the core count does not change its
     float sums, and on 2026-12-01 it rebuilt the shipped weights bit for bit; but another CPU kind (other vector
@@ -146,7 +147,7 @@ def test_ci_verifier_command_rebuilds_the_shipped_one(tmp_path):
     teacher-forced on held-out conversations: argmax agreement >= 85 % and mean KL < 0.06 nats (an untrained verifier
     agrees on ~0 %), the first loss equal and the final loss within 0.05."""
     shipped = json.loads((SHIPPED_CI / "toy_reasoning.json").read_text())
-    rebuilt_dir = build_reasoning_verifier(tmp_path / "ci", "ci", seed=shipped["seed"], accuracy_questions=0)
+    rebuilt_dir = ci_verifier_rebuilt
     rebuilt = json.loads((rebuilt_dir / "toy_reasoning.json").read_text())
     same = ("recipe_version", "size", "seed", "recipe", "steps_done", "train_tokens")
     assert {k: rebuilt[k] for k in same} == {k: shipped[k] for k in same}
