@@ -52,7 +52,7 @@ _GPU_NOT_RUN: list[str] = []
 # when it is nearly done): the longest files go first, so that no process is left alone with a 4-minute file at the
 # end. Longest first by the sums of the slowest-80 durations of a full run (2026-12-03, shared 2 cores, seconds):
 # extract_vllm 600, evaluate_vllm 549, generate_vllm 380 (+35 with the server-pool drill moved in), train_online
-# 280, toy_reasoning 274, run_all 253, run_all_demo 249, prepare 192, train_ddp 129, server_lifecycle 116,
+# 280, toy_reasoning 274 (since 2026-12-04 last: LAST_FILES), run_all 253, run_all_demo 249, prepare 192, train_ddp 129, server_lifecycle 116,
 # toy_vllm 91, ops_status 81, train_vllm 75; the rest are under a minute each.
 LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_generate_vllm.py", "test_train_online.py",
                        "test_run_all.py", "test_run_all_demo.py", "test_prepare.py",
