@@ -223,7 +223,8 @@ def llama_extraction_server_b(toy_llama, extraction_storage, tmp_path_factory):
 
 CI_REBUILD_TEST = "test_toy_reasoning.py::test_ci_verifier_command_rebuilds_the_shipped_one"
 CI_REBUILD_DIR_ENV = "EAGLE3PIPE_TEST_CI_REBUILD_DIR"  # pid, log, exit_status and verifier/ of the build
-SHIPPED_CI = Path(__file__).resolve().parents[1] / "data" / "ci" / "verifier"
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CI = REPO / "data" / "ci" / "verifier"
 _IDLE_RUNNER = """import os, subprocess, sys
 try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited by the command
@@ -254,7 +255,7 @@ def _start_ci_rebuild_if_collected(nodeids: list[str]) -> None:
     with open(folder / "log", "wb") as log:
         _ci_rebuild = subprocess.Popen(
             [sys.executable, "-c", _IDLE_RUNNER, str(folder / "exit_status"), *ci_rebuild_command(folder / "verifier")],
-            cwd=SHIPPED_CI.parents[2], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     threading.Thread(target=_ci_rebuild.wait, daemon=True).start()  # reaped at its exit: no zombie left to poll
     (folder / "pid").write_text(str(_ci_rebuild.pid))
 
@@ -285,7 +286,7 @@ def ci_verifier_rebuilt(tmp_path) -> Path:
     when none was started for this run, the command run here."""
     folder = Path(os.environ.get(CI_REBUILD_DIR_ENV, tmp_path))
     if not (folder / "pid").is_file():
-        subprocess.run(ci_rebuild_command(tmp_path / "verifier"), cwd=SHIPPED_CI.parents[2], check=True)
+        subprocess.run(ci_rebuild_command(tmp_path / "verifier"), cwd=REPO, check=True)
         return tmp_path / "verifier"
     pid, started = int((folder / "pid").read_text()), time.time()
     while not (folder / "exit_status").is_file():

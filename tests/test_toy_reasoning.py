@@ -20,8 +20,8 @@ from eagle3pipe.toy_reasoning import (
     write_chat_datasets,
 )
 from eagle3pipe.toy_tasks import TASK_KINDS, generate_tasks, verifier_messages
+from tests.conftest import SHIPPED_CI  # the folder the suite's idle-priority rebuild compares against
 
-SHIPPED_CI = Path(__file__).resolve().parents[1] / "data" / "ci" / "verifier"
 
 UNITS = {("kilometers", "meters"): 1000, ("meters", "centimeters"): 100, ("kilograms", "grams"): 1000,
          ("hours", "minutes"): 60, ("minutes", "seconds"): 60, ("liters", "milliliters"): 1000, ("days", "hours"): 24}

@@ -14,11 +14,12 @@ from eagle3pipe.toy import build_toy_verifier
 def _toy(tmp_path_factory, flavour: str, dtype: str = "bfloat16") -> Path:
     """The toy, built once per process tree: a test run again in a fresh interpreter (tests/memory_bound.py) reads
     the one its parent built (same flavour, seed and dtype; ~2.6 s a build) through the environment it inherits."""
-    built = os.environ.get(f"EAGLE3PIPE_TEST_TOY_{flavour}_{dtype}")
+    env = f"EAGLE3PIPE_TEST_TOY_{flavour}_{dtype}"
+    built = os.environ.get(env)
     if built and (Path(built) / "toy_verifier.json").is_file():
         return Path(built)
     path = build_toy_verifier(tmp_path_factory.mktemp(f"toy_{flavour}_{dtype}"), flavour, seed=0, dtype=dtype)
-    os.environ[f"EAGLE3PIPE_TEST_TOY_{flavour}_{dtype}"] = str(path)
+    os.environ[env] = str(path)
     return path
 
 
