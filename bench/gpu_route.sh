@@ -3,9 +3,14 @@
 # the repository root the device receives, with vLLM 0.26.0's GPU bundle (../shared/gpu-vllm/build_bundle.sh ->
 # .vllmgpu/: core.tar.xz, moe.tar.xz, unpack.py) in $BUNDLE and the project's wheels the image lacks in $WHL
 # (.gpuwork/whl: openai 3.57, httpx2/httpcore2, truststore, idna, anyio, speculators, hs-connectors, datasets, dill,
-# multiprocess, fsspec, pydantic-settings, python-dotenv, loguru). A call carries at most 64 MiB with the repository
-# (15.5 MiB): the core bundle (45 MiB) leaves no room for the wheels, so the phases are device calls in a row, each
-# while the machine is still warm (/tmp is kept 30 s after a call); each unpacks only what /tmp/site lacks:
+# multiprocess, fsspec, pydantic-settings, python-dotenv, loguru; `pip download --no-deps --only-binary=:all:
+# --python-version 3.12` of the versions .venv holds, 4.3 MB). A call carries at most 64 MiB with the repository
+# (15.6 MiB): the core bundle (45 MiB) and the wheels fit beside it only without data/bench/verifier's weights (10 MiB,
+# unused here: move them aside for that call), so the phases are device calls in a row, each while the machine is
+# still warm (/tmp is kept 30 s after a call); each unpacks only what /tmp/site lacks. 2026-12-05's calls:
+#   1. carry core + unpack.py + .gpuwork/whl:  TRACKS=ci MIN_EVAL_S=250 bash bench/gpu_route.sh route
+#   2. carry moe + unpack.py:  CONFIGS=ci bash bench/gpu_route.sh eval (in the background) beside TRACKS=k25 ... route
+#   3. nothing carried:  CONFIGS=k25 bash bench/gpu_route.sh eval
 #
 #   bash bench/gpu_route.sh probe   # carry core.tar.xz + unpack.py + a trained ci draft (data/demo/checkpoints/final
 #                                   # and data/demo/eval_prompts.jsonl from ./demo.sh): vLLM's EAGLE-3 serving of our
@@ -14,8 +19,9 @@
 #                                   # (bench_slice_gpu.py --part transformers)
 #   bash bench/gpu_route.sh route   # carry moe.tar.xz + .gpuwork/whl: every stage on the GPU for the $TRACKS
 #                                   # (default ci,k25,online,drill,drill_vllm_example; bench/gpu_route.py)
-#   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25"): the export on vLLM's
-#                                   # EAGLE-3 and the verifier alone, when `route` ran out of time before it
+#   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25", side by side): the export
+#                                   # on vLLM's EAGLE-3 and the verifier alone, when `route` ran out of time before it
+#                                   # (a 04 it cut is resumed first)
 #   bash bench/gpu_route.sh slice   # K2.5-dims slices served by vLLM with our connector (bench_slice_gpu.py --part vllm)
 #
 # vLLM's processes see /tmp/site and this repository only (gpu_route.py writes an interpreter wrapper); ours see
@@ -59,23 +65,32 @@ case "$1" in
       > "$OUT/slice_transformers.log" 2>&1; say "bench_slice_gpu transformers: exit $?"
     tail -25 "$OUT/slice_transformers.log"
     ;;
-  route)
-    unpack core && unpack moe && ours || exit 1
+  route)  # moe only where it was carried (the ci track alone needs none: a call can carry core and the wheels)
+    unpack core && ours || exit 1
+    if [ -f "$BUNDLE/moe.tar.xz" ]; then unpack moe || exit 1; fi
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 565 python3 bench/gpu_route.py --work /tmp/gr --out "$OUT" --vllm-site /tmp/site \
-      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" \
+      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" --min-eval-s "${MIN_EVAL_S:-0}" \
       > "$OUT/gpu_route.log" 2>&1
     say "gpu_route: exit $?"
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20
     python3 -c "import json,sys; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-7000:])"
     ;;
-  eval)
+  eval)  # the configs side by side; a 04 that route's deadline cut is resumed first (run_all's printed command)
     ours || exit 1
-    export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python
+    export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python PYTHON=python3
     for c in ${CONFIGS:-ci}; do
-      timeout 280 python3 05_evaluate.py --config "/tmp/gr/$c.yaml" > "$OUT/${c}_05.log" 2>&1; say "05 $c: exit $?"
-      cp "/tmp/gr/$c/eval/report.json" "$OUT/${c}_report.json" && tail -20 "/tmp/gr/$c/eval/report.md"
+      (
+        if [ ! -f "/tmp/gr/$c/checkpoints/final/model.safetensors" ]; then
+          timeout 300 bash run_all.sh --config "/tmp/gr/$c.yaml" --from 03_vocab --to 04_train \
+            > "$OUT/${c}_04_resume.log" 2>&1; say "04 $c resumed: exit $?"
+        fi
+        timeout "${EVAL_TIMEOUT_S:-540}" python3 05_evaluate.py --config "/tmp/gr/$c.yaml" > "$OUT/${c}_05.log" 2>&1
+        say "05 $c: exit $?"
+        cp "/tmp/gr/$c/eval/report.json" "$OUT/${c}_report.json" && tail -20 "/tmp/gr/$c/eval/report.md"
+      ) &
     done
+    wait
     ;;
   slice)
     unpack core && unpack moe && ours || exit 1
