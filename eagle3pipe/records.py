@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -71,8 +72,8 @@ class DataDir:
     def __init__(self, root: str | Path):
         object.__setattr__(self, "root", Path(root))
 
-    # stage 01
-    @property
+    # stage 01 (the folders are cached_property: stage 02's finalize joins two paths a file, for 10^6 files)
+    @cached_property
     def prepared(self) -> Path:
         return self.root / "prepared"
 
@@ -89,7 +90,7 @@ class DataDir:
         return self.prepared / "errors.jsonl"
 
     # stage 01b
-    @property
+    @cached_property
     def synthetic(self) -> Path:
         return self.root / "synthetic"
 
@@ -111,12 +112,12 @@ class DataDir:
         return self.synthetic / "run.json"
 
     # stages 02-05
-    @property
+    @cached_property
     def hidden_states(self) -> Path:
         return self.root / "hidden_states"
 
     # stage 02 (hidden states section below): D = hidden_states/ is what `speculators train --data-path` takes
-    @property
+    @cached_property
     def hs_files(self) -> Path:
         return self.hidden_states / "hidden_states"
 
@@ -131,7 +132,7 @@ class DataDir:
     def hs_errors(self) -> Path:
         return self.hidden_states / "errors.jsonl"
 
-    @property
+    @cached_property
     def hs_work(self) -> Path:
         return self.hidden_states / "work"
 
@@ -446,7 +447,7 @@ class TrainingRow:
     source: str
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(vars(self))  # flat: asdict() deep-copies both id lists (6 ms a 4,000-token row, 10x json.dumps)
 
     @classmethod
     def from_json(cls, d: dict, where: str = "") -> "TrainingRow":
@@ -478,7 +479,7 @@ class Question:
     tools: list[dict] | None = None  # OpenAI function tools the conversation declares (sent as the request's tools)
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = dict(vars(self))  # shallow, as the writer serializes it at once; asdict() deep-copies every message
         if d["tools"] is None:
             del d["tools"]  # rows without tools keep the original record shape
         return d

@@ -167,12 +167,12 @@ def test_ids_rebuilt_from_text_when_server_returns_none(tmp_path, vllm_server, t
     exact = {r.id: r for r in load_responses(DataDir(tmp_path / "exact").responses)}
     rebuilt = {r.id: r for r in load_responses(DataDir(tmp_path / "rebuilt").responses)}
     tokenizer = load_tokenizer(toy_llama)
-    same = 0
+    same = same_text = 0
     for q in questions:
         e, r = exact[q.id], rebuilt[q.id]
         assert r.token_ids_source == "rebuilt" and e.token_ids_source == "server"
         assert r.prompt_token_ids == e.prompt_token_ids  # the template rendering equals the server's prompt
-        assert (r.reasoning, r.content) == (e.reasoning, e.content)  # greedy: the same generation
+        same_text += (r.reasoning, r.content) == (e.reasoning, e.content)
         ids = r.completion_token_ids
         assert ids[-1] == IM_END and ids.count(RESPONSE) == 1
         same += ids == e.completion_token_ids
@@ -180,6 +180,10 @@ def test_ids_rebuilt_from_text_when_server_returns_none(tmp_path, vllm_server, t
         k = ids.index(RESPONSE)
         assert _text(tokenizer, ids[:k]) == r.reasoning.replace("\ufffd", "")
         assert _text(tokenizer, ids[k + 1:-1]) == r.content.replace("\ufffd", "")
+    # greedy: the same generation both times (the request without return_token_ids lost nothing else), but for a
+    # near-tie of the bf16 random toy that another batch composition flips (seen once in 3 test processes:
+    # ' number68 ' against ' number68')
+    assert same_text >= len(questions) - 1, f"only {same_text} of {len(questions)} generations repeated"
     print(f"\nrebuilt completion ids equal to the server's for {same} of {len(questions)} requests")
 
 
