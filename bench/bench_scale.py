@@ -10,7 +10,8 @@ default: lightseekorg's K2.5 draft data, 6 * 10^9 tokens in 600 k samples).
 
 Stages (``STAGES``):
 
-- ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default).
+- ``01``: N two-turn conversations in a JSON Lines file -> run_prepare (every row, ``prepare.num_proc`` default;
+  ``--answer-words W``: answers of W more words, for the per-token costs of long rows).
   First unit: the first row rendered and written; steady: the rows after it.
 - ``01b``: N questions of which all but W were answered by an earlier run that stopped (a resume at >= 90 %; W =
   N / 10, at least 1000, at most 20000), a fast local stub (an aiohttp server in its own process) stands in for vLLM
@@ -70,12 +71,14 @@ REPO = Path(__file__).resolve().parents[1]
 # an older version reads the same JSONL files and ignores them)
 
 
-def make_conversations(folder: Path, n: int) -> None:
+def make_conversations(folder: Path, n: int, answer_words: int = 0) -> None:
+    """``answer_words``: that many more words in each answer (a long reasoning-model answer: the per-token costs)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "chats.jsonl", "w") as f:
         for i in range(n):
+            answer = " ".join([str(i + i % 7)] + [f"w{(i * 31 + k) % 997}" for k in range(answer_words)])
             f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
-                                             {"role": "assistant", "content": str(i + i % 7)}]}) + "\n")
+                                             {"role": "assistant", "content": answer}]}) + "\n")
 
 
 def unfinished_01b(n: int) -> int:
@@ -303,7 +306,7 @@ def run_01(toy: Path, work: Path, n: int, args) -> dict:
     prepare = {"dataset": [str(work / "input" / "chats.jsonl")], "max_samples": 0}
     if args.num_proc and "num_proc" in {f.name for f in dc.fields(PrepareConfig)}:
         prepare["num_proc"] = args.num_proc
-    cfg = _config(toy, work / "run", prepare=prepare)
+    cfg = _config(toy, work / "run", prepare=prepare, shared={"max_seq_len": 65536})  # --answer-words rows kept whole
     clock = _progress_clock("Prepare")
     start = time.monotonic()
     run_prepare(cfg)
@@ -648,6 +651,7 @@ def main() -> None:
                                                                "made once per size)")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose eagle3pipe is measured (inputs: this one's)")
     ap.add_argument("--num-proc", type=int, default=0, help="stage 01's prepare.num_proc (0: its default)")
+    ap.add_argument("--answer-words", type=int, default=0, help="stage 01: words added to each answer (long rows)")
     ap.add_argument("--steady-steps", type=int, default=30, help="04 / 04on: optimizer steps measured after the "
                                                                  "first (all when the run has fewer)")
     ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
@@ -686,11 +690,13 @@ def main() -> None:
         for n in args.sizes:
             for name in args.stages:
                 stage = STAGES[name]
-                folder = work / f"{name}_{n}"
+                long_rows = f"_w{args.answer_words}" if name == "01" and args.answer_words else ""
+                folder = work / f"{name}_{n}{long_rows}"
                 template = folder / "template"
                 if not (folder / "template.done").exists():
                     shutil.rmtree(folder, ignore_errors=True)
-                    stage.make(template, n, **({"toy": toy} if name == "04" else {}))
+                    stage.make(template, n, **({"toy": toy} if name == "04" else {}),
+                               **({"answer_words": args.answer_words} if name == "01" else {}))
                     (folder / "template.done").write_text("")
                 run_dir = folder / "run"
                 shutil.rmtree(run_dir, ignore_errors=True)
