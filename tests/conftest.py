@@ -48,7 +48,7 @@ def pytest_configure(config):
 _GPU_NOT_RUN: list[str] = []
 
 
-# ``./test.sh`` runs the suite in 2 processes (pytest-xdist, one file per process at a time, each given the next file
+# ``./test.sh`` runs the suite in 3 processes (pytest-xdist, one file per process at a time, each given the next file
 # when it is nearly done): the longest files go first, so that no process is left alone with a 4-minute file at the
 # end. Longest first by the sums of the slowest-80 durations of a full run (2026-12-03, shared 2 cores, seconds):
 # extract_vllm 600, evaluate_vllm 549, generate_vllm 380 (+35 with the server-pool drill moved in), train_online
