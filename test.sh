@@ -3,7 +3,8 @@
 # unit and integration (real vLLM CPU server) tests alike, in TEST_WORKERS processes (default 3; one test
 # file per process at a time, so a file's vLLM server is started once). Three on 2 cores because a test process
 # spends much of its time waiting on a server, torchrun or a stage subprocess: the same 450 tests on one clone,
-# 1,007 s of pytest in 2 processes, 918 s in 3 (2026-12-05, docs/development.md). Extra arguments go to pytest.
+# 1,007 s of pytest in 2 processes, 918 s in 3 (2026-12-04); 1,141 and 1,020 s (2026-12-05; docs/development.md).
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup_env.sh --vllm

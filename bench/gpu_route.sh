@@ -70,7 +70,8 @@ case "$1" in
     if [ -f "$BUNDLE/moe.tar.xz" ]; then unpack moe || exit 1; fi
     export PYTHONPATH=/tmp/ours:/tmp/site
     timeout 565 python3 bench/gpu_route.py --work /tmp/gr --out "$OUT" --vllm-site /tmp/site \
-      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" --min-eval-s "${MIN_EVAL_S:-0}" \
+      --tracks "${TRACKS:-ci,k25,online,drill,drill_vllm_example}" --deadline-s "${DEADLINE_S:-520}" \
+      --min-eval-s "${MIN_EVAL_S:-0}" \
       > "$OUT/gpu_route.log" 2>&1
     say "gpu_route: exit $?"
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20

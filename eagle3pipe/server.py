@@ -430,8 +430,8 @@ class VllmServer:
             if self.startup_timeout_s is not None and time.monotonic() - started > self.startup_timeout_s:
                 raise ServerError(f"vLLM did not answer within {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
                                   f"{self.log_tail()}")
-            try:  # look again in a quarter second (a start that fails is seen at once)
-                self.proc.wait(timeout=0.25)
+            try:  # look again in a second; a process that exits ends the wait at once
+                self.proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
 

@@ -20,7 +20,7 @@ from eagle3pipe.toy_reasoning import (
     write_chat_datasets,
 )
 from eagle3pipe.toy_tasks import TASK_KINDS, generate_tasks, verifier_messages
-from tests.conftest import SHIPPED_CI  # the folder the suite's idle-priority rebuild compares against
+from conftest import SHIPPED_CI  # the folder the suite's idle-priority rebuild compares against (conftest, once)
 
 
 UNITS = {("kilometers", "meters"): 1000, ("meters", "centimeters"): 100, ("kilograms", "grams"): 1000,
