@@ -64,7 +64,8 @@ LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_ge
 # each): xdist's --dist loadfile hands out one file at a time, so the later file is scheduled with the earlier one.
 SAME_PROCESS_AS = {"test_train_online.py": "test_extract_vllm.py",  # llama_extraction_server(_b)
                    "test_ops_setup.py": "test_generate_vllm.py",  # vllm_server
-                   "test_toy_vllm.py": "test_generate_vllm.py"}  # vllm_server_k25
+                   "test_toy_vllm.py": "test_generate_vllm.py",  # vllm_server_k25
+                   "test_train_vllm.py": "test_evaluate_vllm.py"}  # eagle3_export_server
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -178,6 +179,24 @@ def vllm_server_k25(toy_kimi, tmp_path_factory):
                                                                        "CPU_MLA"],
                                trust_remote_code=True)
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def eagle3_export_server(toy_llama, tmp_path_factory):
+    """(export, re-export, server): what stage 04 exports from a zero-output AQ-MedAI-format warm start, exported
+    again from that export, and the toy Llama served with the first as its EAGLE-3 draft at k = 2 (no per-request
+    metrics), as someone else's server. test_train_vllm.py asserts vLLM speculates with the export;
+    test_evaluate_vllm.py's running-server test reads its k (2, against the config's 3) and its global counters
+    (issue 30: one server start for both; the two files run in one process, SAME_PROCESS_AS)."""
+    from test_train_vllm import export_and_reexport
+
+    root = tmp_path_factory.mktemp("eagle3_export")
+    first, second = export_and_reexport(root, toy_llama)
+    spec = json.dumps({"method": "eagle3", "model": str(first), "num_speculative_tokens": 2})
+    server = VllmServer(toy_llama, extra_args=["--speculative-config", spec, "--max-model-len", "512",
+                                               "--max-num-seqs", "4"], log_file=root / "vllm.log").start()
+    yield first, second, server
     server.stop()
 
 

