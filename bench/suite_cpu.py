@@ -50,8 +50,9 @@ def kind(cmd: str, comm: str) -> str:
     return "other"
 
 
-def sample(procs: dict) -> None:
-    """Update {(pid, start time): [cmdline, comm, cpu seconds]} from /proc."""
+def sample(procs: dict, before: bool = False) -> None:
+    """Update {"pid:start time": [cmdline, comm, cpu seconds, cpu seconds before the command]} from /proc
+    (``before``: the processes already running when the command starts, whose earlier CPU is not the command's)."""
     tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -63,16 +64,23 @@ def sample(procs: dict) -> None:
             if key not in procs:
                 cmd = open(f"/proc/{entry}/cmdline").read().replace("\0", " ").strip()
                 comm = open(f"/proc/{entry}/comm").read().strip()
-                procs[key] = [cmd, comm, cpu]
+                procs[key] = [cmd, comm, cpu, cpu if before else 0.0]
             else:
                 procs[key][2] = cpu
         except (OSError, IndexError):  # gone between listdir and read
             pass
 
 
+def save(procs: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(procs, f)
+    os.replace(path + ".tmp", path)
+
+
 def report(procs: dict) -> str:
     cpu, count = collections.Counter(), collections.Counter()
-    for cmd, comm, seconds in procs.values():
+    for cmd, comm, total_seconds, seconds_before in procs.values():
+        seconds = total_seconds - seconds_before
         if seconds > 0:
             k = kind(cmd, comm)
             cpu[k] += seconds
@@ -93,20 +101,17 @@ def main() -> int:
         print(report(json.load(open(args.report))))
         return 0
     procs: dict = {}
+    sample(procs, before=True)
     started = time.time()
     proc = subprocess.Popen(args.command)
     last_write = 0.0
     while proc.poll() is None:
         sample(procs)
         if time.time() - last_write > 10:
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(procs, f)
-            os.replace(args.json + ".tmp", args.json)
+            save(procs, args.json)
             last_write = time.time()
         time.sleep(1.0)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(procs, f)
-    os.replace(args.json + ".tmp", args.json)
+    save(procs, args.json)
     print(f"\n{' '.join(args.command)}: exit {proc.returncode} after {time.time() - started:.0f} s\n{report(procs)}")
     return proc.returncode
 
