@@ -460,6 +460,9 @@ def run_prepare(cfg: PipelineConfig) -> dict:
     if cfg.prepare.num_proc < 0:
         raise ConfigError(f"prepare.num_proc must be >= 0 (0 = the cores), got {cfg.prepare.num_proc}")
 
+    for spec in cfg.prepare.dataset:  # a missing local file is named at once, not after the tokenizer's seconds
+        if Path(spec).suffix in LOCAL_FORMATS and not Path(spec).is_file():
+            raise FileNotFoundError(f"dataset file not found: {spec} (from --dataset)")
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     s = cfg.shared

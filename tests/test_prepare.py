@@ -143,7 +143,11 @@ def test_thousands_of_rows_without_tty_print_plain_progress(tmp_path, toy_llama,
 
 
 def test_missing_dataset_and_wrong_think_id_are_one_line_errors(tmp_path, toy_llama, toy_meta):
-    r = _run_script("--verifier", toy_llama, "--data-dir", tmp_path / "d", "--dataset", tmp_path / "nope.jsonl",
+    """A missing dataset file is named before the tokenizer loads (seconds earlier: the verifier here has none, whose
+    error would come first otherwise)."""
+    (tmp_path / "no_tokenizer").mkdir()
+    r = _run_script("--verifier", tmp_path / "no_tokenizer", "--data-dir", tmp_path / "d",
+                    "--dataset", tmp_path / "nope.jsonl",
                     "--think-token-id", toy_meta["think_token_id"], "--response-token-id",
                     toy_meta["response_token_id"])
     assert r.returncode == 2
