@@ -191,6 +191,12 @@ class ArrowSource(Source):
                 yield next(numbers), dict(zip(columns, values)), ""
 
 
+def check_local_file(spec: str) -> None:
+    """A local dataset file (JSON, JSON Lines, Parquet) that is not there, named as --dataset gave it."""
+    if Path(spec).suffix in LOCAL_FORMATS and not Path(spec).is_file():
+        raise FileNotFoundError(f"dataset file not found: {spec} (from --dataset)")
+
+
 def open_source(spec: str, split: str) -> Source:
     """The Source of one dataset spec.
 
@@ -198,10 +204,9 @@ def open_source(spec: str, split: str) -> Source:
     would unify the rows' nested structures and fill keys a row lacks with nulls, which changes tool schemas and
     tool-call arguments, hence the rendered prompt. Parquet files, saved datasets and hub ids go through
     ``datasets``."""
+    check_local_file(spec)
     path = Path(spec)
     if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file not found: {spec} (from --dataset)")
         if path.suffix == ".json":
             return _json_file_source(path, spec)
         if path.suffix == ".jsonl":
@@ -460,9 +465,8 @@ def run_prepare(cfg: PipelineConfig) -> dict:
     if cfg.prepare.num_proc < 0:
         raise ConfigError(f"prepare.num_proc must be >= 0 (0 = the cores), got {cfg.prepare.num_proc}")
 
-    for spec in cfg.prepare.dataset:  # a missing local file is named at once, not after the tokenizer's seconds
-        if Path(spec).suffix in LOCAL_FORMATS and not Path(spec).is_file():
-            raise FileNotFoundError(f"dataset file not found: {spec} (from --dataset)")
+    for spec in cfg.prepare.dataset:  # a missing file is named at once, not after the tokenizer's seconds
+        check_local_file(spec)
     tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.shared.trust_remote_code)
     resolve_special_ids(tokenizer, cfg.shared.think_token_id, cfg.shared.response_token_id)
     s = cfg.shared

