@@ -188,8 +188,8 @@ def test_evaluations_every_n_steps_carry_the_simulated_acceptance_length(monitor
         expected = 1.0
         for k in range(3):
             expected += float(torch.tensor(conditional[:k + 1], dtype=torch.float64).prod())
+        assert 1.0 >= acc[0] >= acc[1] >= acc[2] >= 0.0  # cumulative: so 1 <= the length <= k + 1
         assert r[ACCEPTANCE_KEY] == pytest.approx(expected, rel=1e-12)
-        assert 1.0 <= r[ACCEPTANCE_KEY] <= 4.0
     assert any(r[ACCEPTANCE_KEY] > 1.0 for r in evals)  # the figures are not all the trivial 1
 
 
