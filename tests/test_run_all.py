@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -242,10 +241,12 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
     resumed_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
     assert_status_of_a_finished_run(cfg_path)  # test_ops_status.py's assertions on this finished run
 
-    # the uninterrupted run on the same inputs: 04 from scratch (--overwrite deletes the resumed run's checkpoints)
-    fresh = subprocess.run([sys.executable, str(REPO / "04_train.py"), "--config", str(cfg_path), "--overwrite"],
-                           cwd=REPO, capture_output=True, text=True)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    # the uninterrupted run on the same inputs: 04 from scratch (--overwrite deletes the resumed run's checkpoints),
+    # through 04's door in this process (issue 30: the killed and the resumed 04 above are where a process matters)
+    from eagle3pipe.cli import run_stage
+    from eagle3pipe.train import run_train
+
+    assert run_stage("train", "04_train", run_train, None, ["--config", str(cfg_path), "--overwrite"]) == 0
     fresh_steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
     assert [r["step"] for r in resumed_steps] == [r["step"] for r in fresh_steps]  # each step trained once
     assert killed_at < len(fresh_steps)
