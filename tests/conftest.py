@@ -7,6 +7,7 @@ at most once per test run, lazily (only when a test asks for it), and stopped by
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -236,6 +237,35 @@ def llama_extraction_server_b(toy_llama, extraction_storage, tmp_path_factory):
     server = start_extraction_server(toy_llama, extraction_storage, tmp_path_factory.mktemp("vllm_x_llama_b"))
     yield server
     server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A numbered script in the test's process. A fresh interpreter costs 5-12 CPU-s of imports before a stage does
+# anything (bench/start_floor.py), ~100 times a suite; a stage run that the test neither kills nor watches as a
+# process (a resume, a run to its exit code) goes through the same door here (issue 30).
+
+
+def run_script_here(script: str, argv: list) -> tuple[int, str]:
+    """``python SCRIPT ARGV`` run in this process as the script's ``__main__`` (its door: argument parsing, the
+    stage's log and lock, the exit code): (exit code, what it wrote to stderr: its log lines and its error line)."""
+    import contextlib
+    import io
+    import runpy
+
+    stderr, saved = io.StringIO(), sys.argv
+    sys.argv = [str(REPO / script), *map(str, argv)]
+    try:  # the stage's log handler is set up inside, on the stderr of that moment
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:  # the door's sys.exit(run_stage(...))
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = saved
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_eagle3pipe", False)]:
+            logging.getLogger().removeHandler(handler)  # bound to this run's stderr and log file
+            handler.close()
+    return code, stderr.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------------------------

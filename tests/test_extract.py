@@ -266,10 +266,10 @@ def test_a_checkpoint_that_does_not_load_is_a_one_line_error(tmp_path, toy_kimi)
     and status 2 from the door, not a traceback. (The intact release-shaped toy, text_config model_type kimi_k2 as
     released, loads: test_kimi_k25_wrapped_checkpoint_loads_text_model_exactly.)"""
     import shutil
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file, save_file
+
+    from conftest import run_script_here
 
     broken = tmp_path / "broken"
     shutil.copytree(toy_kimi, broken)
@@ -277,13 +277,12 @@ def test_a_checkpoint_that_does_not_load_is_a_one_line_error(tmp_path, toy_kimi)
     del tensors["language_model.model.layers.3.mlp.experts.5.down_proj.weight"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     write_rows(tmp_path / "d", 2)
-    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "02_extract_hidden_states.py"), "--data-dir",
-            str(tmp_path / "d"), "--verifier", str(broken), "--input", "prepared", "--aux-layer-ids", "2", "4", "5",
-            "--hidden-size", "128", "--device", "cpu"]
-    r = subprocess.run(argv, capture_output=True, text=True)
-    assert r.returncode == 2, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "could not load the decoder" in last and "Traceback" not in r.stderr
+    code, stderr = run_script_here("02_extract_hidden_states.py", [
+        "--data-dir", tmp_path / "d", "--verifier", broken, "--input", "prepared", "--aux-layer-ids", "2", "4", "5",
+        "--hidden-size", "128", "--device", "cpu"])  # the door, in this process
+    assert code == 2, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "could not load the decoder" in last and "Traceback" not in stderr
 
 
 def test_vllm_server_flags_capture_aux_ids_then_the_final_state(tmp_path, toy_llama):

@@ -49,7 +49,7 @@ from eagle3pipe.server import VllmServer
 from eagle3pipe.vllm_client import read_metrics
 from eagle3pipe.verifier import load_text_model
 
-from conftest import running
+from conftest import run_script_here, running
 from test_extract import AUX, make_cfg, write_rows
 
 pytestmark = pytest.mark.integration
@@ -589,6 +589,11 @@ def _door(data_dir: Path, verifier: Path, urls: list[str], *extra: str) -> list[
     return argv + list(extra)
 
 
+def _here(argv: list[str]) -> tuple[str, list[str]]:
+    """``_door``'s command as conftest.run_script_here takes it: a run whose process does not matter to the test."""
+    return argv[1], argv[2:]
+
+
 def test_server_killed_mid_run_then_restarted(storage, toy_llama, llama_server_b):
     n = 40
     rows = write_rows(storage / "drill", n, seed=7, min_len=64, max_len=128)
@@ -612,8 +617,8 @@ def test_server_killed_mid_run_then_restarted(storage, toy_llama, llama_server_b
     before = {e.position: sha(dd.hs_shard_file(0, e.local_index)) for e in load_hs_journal(journal)}
     assert 8 <= len(before) < n
     llama_server_b.start()
-    rerun = subprocess.run(_door(dd.root, toy_llama, [llama_server_b.url]), capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    code, stderr = run_script_here(*_here(_door(dd.root, toy_llama, [llama_server_b.url])))  # the same command
+    assert code == 0, stderr[-3000:]
     manifest = load_hs_manifest(dd.hs_manifest)
     assert manifest.num_samples == n and manifest.num_dropped == 0  # nothing lost
     positions = [e.position for j in dd.hs_work.glob("shard_*/done.jsonl") for e in load_hs_journal(j)]
@@ -692,9 +697,9 @@ def test_a_closed_first_url_does_not_stop_the_stage(storage, toy_llama, llama_se
     rows = write_rows(storage / "closed_first", 6, seed=13, min_len=8, max_len=40)
     dd = DataDir(storage / "closed_first")
     closed = f"http://127.0.0.1:{free_port()}"
-    res = subprocess.run(_door(dd.root, toy_llama, [closed, llama_server.url]), capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"{closed} does not answer" in res.stderr and "set aside" in res.stderr
+    code, stderr = run_script_here(*_here(_door(dd.root, toy_llama, [closed, llama_server.url])))
+    assert code == 0, stderr[-3000:]
+    assert f"{closed} does not answer" in stderr and "set aside" in stderr
     manifest = load_hs_manifest(dd.hs_manifest)
     assert manifest.num_samples == len(rows) and manifest.num_dropped == 0
     for i, row in enumerate(rows):

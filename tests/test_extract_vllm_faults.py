@@ -506,10 +506,10 @@ def test_a_closed_first_url_and_a_server_dying_mid_run_leave_the_run_to_the_serv
 def test_a_server_restarting_on_its_port_is_used_at_once_by_the_samples_waiting_for_it(tmp_path, toy_llama):
     """Stage 02's only server dies after 4 of 16 samples (the request in hand unanswered, the port then refused) and a
     new one listens on its port as soon as it is gone; retries back off 300 s (capped at 60 s). The stage (its door,
-    a subprocess) ends with every row extracted and nothing listed, the rest by the new server: the samples waiting
-    for a server (Extractor.one, also 04 online's) woke when the pool took it back. A deadline guard, not a speed
-    measurement (RESTART_GUARD_S): before ServerPool.wait_to_retry each retry slept out its backoff (>= 48 s) and
-    the test failed at the guard."""
+    in a thread of the test) ends with every row extracted and nothing listed, the rest by the new server: the
+    samples waiting for a server (Extractor.one, also 04 online's) woke when the pool took it back. A deadline
+    guard, not a speed measurement (RESTART_GUARD_S): before ServerPool.wait_to_retry each retry slept out its
+    backoff (>= 48 s) and the test failed at the guard."""
     rows = write_rows(tmp_path, 16, seed=5, min_len=4, max_len=MAX_MODEL_LEN - 2)
     dying = StubExtractionServer(die_after=4)
     port = dying.httpd.server_address[1]
@@ -518,7 +518,7 @@ def test_a_server_restarting_on_its_port_is_used_at_once_by_the_samples_waiting_
             "--backend", "vllm", "--extract-url", dying.url, "--verify-tokens", "0", "--max-retries", "2",
             "--retry-backoff-s", "300", "--concurrency", "3"]
     try:
-        code, err, revived = run_door_through_a_restart(argv, tmp_path / "02.err", dying,
+        code, err, revived = run_door_through_a_restart(argv, dying,
                                                         lambda: StubExtractionServer(port=port))
     finally:
         dying.close()
@@ -573,7 +573,7 @@ def test_a_server_back_with_another_model_or_a_shorter_context_gets_no_sample(tm
             "--retry-backoff-s", "1", "--concurrency", "4"]  # each sample's last attempt after the first probe (1 s)
     back = {"model": "other"} if back_as == "another_model" else {"max_model_len": MAX_MODEL_LEN - 10}
     try:
-        code, err, revived = run_door_through_a_restart(argv, tmp_path / "02.err", dying,
+        code, err, revived = run_door_through_a_restart(argv, dying,
                                                         lambda: StubExtractionServer(port=port, **back))
     finally:
         dying.close()

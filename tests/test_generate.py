@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from conftest import run_script_here
 from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import StageError, run_stage
 from eagle3pipe.config import ConfigError, load_config
@@ -137,18 +137,27 @@ RESTART_GUARD_S = 40.0
 DEATH_WITHIN_S = 300.0  # the bound on the stage reaching its server's death (start-up, the first requests)
 
 
-def run_door_through_a_restart(argv: list[str], err_file: Path, dying: DyingStub, revive) -> tuple[int, str, DyingStub]:
-    """Run a stage's door (``argv``, a subprocess) while ``dying``, its only server, dies mid-run (its
-    ``die_after``) and ``revive()`` returns a healthy server listening on the same port, started as soon as the old
-    one's port refuses. The door is killed RESTART_GUARD_S after that, and the test fails there. Returns (exit
-    status, stderr, the revived server: the caller closes it)."""
+def run_door_through_a_restart(argv: list[str], dying: DyingStub, revive) -> tuple[int, str, DyingStub]:
+    """Run a stage's door (``argv``: the interpreter, the script, its flags; run in a thread of this process by
+    conftest.run_script_here, issue 30) while ``dying``, its only server, dies mid-run (its ``die_after``) and
+    ``revive()`` returns a healthy server listening on the same port, started as soon as the old one's port refuses.
+    The test fails if the door has not ended RESTART_GUARD_S after that. Returns (exit status, stderr, the revived
+    server: the caller closes it)."""
     port = int(dying.url.rsplit(":", 1)[1])
     revived = None
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(run_script_here(argv[1], argv[2:]))
+        except BaseException as e:  # raised here below, in the test's thread
+            result.append(e)
+
+    door = threading.Thread(target=run, daemon=True)
+    door.start()
     try:
         start_deadline = time.monotonic() + DEATH_WITHIN_S
-        while proc.poll() is None:  # until the old server's port refuses
+        while door.is_alive():  # until the old server's port refuses
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
             except ConnectionRefusedError:
@@ -159,21 +168,19 @@ def run_door_through_a_restart(argv: list[str], err_file: Path, dying: DyingStub
                 pytest.fail(f"{argv[1]}'s server did not die within {DEATH_WITHIN_S:g} s")
             time.sleep(0.05)
         revived = revive()
-        try:
-            proc.wait(timeout=RESTART_GUARD_S)
-        except subprocess.TimeoutExpired:
+        door.join(timeout=RESTART_GUARD_S)
+        if door.is_alive():
             pytest.fail(f"{argv[1]} did not end within {RESTART_GUARD_S:g} s of its server's restart although the "
-                        f"server was back at once (the retries slept out their backoff); its stderr:\n"
-                        f"{err_file.read_text()[-3000:]}")
+                        "server was back at once (the retries slept out their backoff)")
     except BaseException:
         if revived is not None:
             revived.close()
         raise
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, err_file.read_text(), revived
+    if isinstance(result[0], BaseException):
+        revived.close()
+        raise result[0]
+    code, stderr = result[0]
+    return code, stderr, revived
 
 
 # vLLM 0.32's HTTP 400 body for a prompt over --max-model-len (vllm/renderers/params.py), as the server sends it
@@ -628,8 +635,7 @@ def test_01b_whose_only_server_restarts_on_its_port_uses_it_at_once(tmp_path, to
         argv = [sys.executable, str(REPO / "01b_generate_synthetic.py"),
                 *door_argv(tmp_path, toy_llama, toy_meta, dying.url, "--max-retries", "2", "--retry-backoff-s", "300",
                            "--concurrency", "4")]
-        code, err, revived = run_door_through_a_restart(argv, tmp_path / "01b.err", dying,
-                                                        lambda: StubServer("ok", port=port).__enter__())
+        code, err, revived = run_door_through_a_restart(argv, dying, lambda: StubServer("ok", port=port).__enter__())
     revived.close()
     assert code == 0, err
     check = check_synthetic(DataDir(tmp_path), ids)

