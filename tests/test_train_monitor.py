@@ -193,6 +193,30 @@ def test_evaluations_every_n_steps_carry_the_simulated_acceptance_length(monitor
     assert any(r[ACCEPTANCE_KEY] > 1.0 for r in evals)  # the figures are not all the trivial 1
 
 
+def test_acc_at_k_is_cumulative_as_speculators_counts_it():
+    """The contract the acceptance length reads (its "cumulative" kind, and the monotone acc@k asserted above):
+    speculators' full_acc_i, summed into our acc@k by train_metrics.summarize, is the share of positions whose draft
+    tokens 1..k are all right, computed here independently from known right/wrong patterns whose cumulative,
+    conditional and marginal shares all differ."""
+    from speculators.models.metrics import compute_accuracy_single_step
+
+    from eagle3pipe.train_metrics import summarize
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)  # TTT step x position
+    target = torch.arange(4)[None]
+    prev_correct = torch.ones(1, 4, dtype=torch.bool)  # as speculators' Eagle3 forward starts it (no loss mask)
+    sums = {"loss_sum": 1.0, "loss_total": 1.0}
+    for i, step in enumerate(right):
+        pred = torch.where(step[None], target, target + 1)
+        full_correct, full_total, _, _ = compute_accuracy_single_step(pred, target, None, prev_correct)
+        sums.update({f"loss_{i}_sum": 1.0, f"full_acc_{i}_sum": float(full_correct),
+                     f"full_acc_{i}_total": float(full_total)})
+    out = summarize(sums, 3)
+    cumulative = [right[:k + 1].all(0).float().mean().item() for k in range(3)]  # [0.75, 0.5, 0.25]
+    assert [out[f"acc_{k}"] for k in (1, 2, 3)] == pytest.approx(cumulative)
+    assert out[ACCEPTANCE_KEY] == pytest.approx(1 + sum(cumulative))  # 2.5; read as conditional it would be 2.22
+
+
 def test_simulated_acceptance_length_reads_cumulative_and_conditional_accuracies():
     # a draft whose tokens are right with probability 0.8, 0.5 (given the first), 0.25 (given both)
     conditional = [0.8, 0.5, 0.25]
