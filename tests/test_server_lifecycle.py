@@ -29,6 +29,9 @@ pytestmark = pytest.mark.integration
 # a bound for a server left running, not a timing: the guard's SIGTERM grace (20 s) plus vLLM's own shutdown took
 # just over 60 s once on a loaded machine
 GONE_WITHIN_S = 240
+# These tests are about the server's own process group, which a server forked by test.sh's zygote does not share
+# with the process its launcher started (tests/vllm_zygote.py): their servers start in a fresh interpreter.
+FRESH_SERVERS = dict(os.environ, EAGLE3PIPE_VLLM_ZYGOTE="")
 
 
 def _server_group(marker: str) -> int | None:
@@ -88,7 +91,7 @@ def test_python_owner_killed_mid_start_stops_its_server(tmp_path, toy_llama):
     owner = subprocess.Popen(
         [sys.executable, "-c", ("import sys, time; from eagle3pipe.server import VllmServer; "
                                 "VllmServer(sys.argv[1], log_file=sys.argv[2]).start(); time.sleep(3600)"),
-         str(model), str(tmp_path / "vllm.log")], cwd=REPO, start_new_session=True)
+         str(model), str(tmp_path / "vllm.log")], cwd=REPO, start_new_session=True, env=FRESH_SERVERS)
     try:
         pgid = _wait_for_server_processes(owner, str(model))
         owner.send_signal(signal.SIGKILL)
@@ -110,7 +113,7 @@ def test_demo_killed_mid_start_stops_its_server(tmp_path, toy_llama):
     cfg["evaluate"]["prompts"] = str(data / "eval_prompts.jsonl")
     cfg_path = tmp_path / "demo.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    demo = subprocess.Popen([str(REPO / "demo.sh")], cwd=REPO, env=dict(os.environ, CONFIG=str(cfg_path),
+    demo = subprocess.Popen([str(REPO / "demo.sh")], cwd=REPO, env=dict(FRESH_SERVERS, CONFIG=str(cfg_path),
                             DEMO_SKIP_SETUP="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

@@ -34,5 +34,6 @@ dispatcher.vars = lambda value: value.__dict__ if isinstance(getattr(value, "__d
 # each of the suite's 6 architectures, more where servers start at once. On CPU there is no CUDA to initialize.
 registry._run_in_subprocess = lambda fn: fn()
 
-module = sys.argv.pop(1)
-runpy.run_module(module, run_name="__main__", alter_sys=True)
+if __name__ == "__main__":  # imported (bench/server_start_forked.py), it only applies the patches above
+    module = sys.argv.pop(1)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
