@@ -397,6 +397,7 @@ class Extractor:
             except NoServerAnswers as e:
                 failure, error = classify_request_error(e, ex.request_timeout_s), e
                 continue
+            times_aside = self.pool.times_aside[idx]
             path = hs_attempt_file(final, attempt, uuid.uuid4().hex[:12])
             try:
                 reply = await self._request(idx, ids, path, prompt_logprobs)
@@ -408,6 +409,7 @@ class Extractor:
                 await wait_written(path, ex.request_timeout_s)
                 size, finite = check_file(path, ids, self.cfg.shared.aux_layer_ids, self.num_layers,
                                           self.hidden_size, ex.storage_dtype)
+                self.pool.check_reply(idx, times_aside)  # last: by then a failure of the others has been seen
             except BadSample as e:
                 self.abandon(path)
                 if e.kind == "config":

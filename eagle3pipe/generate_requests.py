@@ -40,6 +40,7 @@ from .records import (
 from .vllm_client import (
     NoServerAnswers,
     RequestFailed,
+    ServerLostMidRequest,
     ServerMetrics,
     ServerPool,
     api_base,
@@ -267,9 +268,10 @@ class Generator:
             t0 = time.monotonic()
             try:
                 idx = self.pool.acquire()
-                url = self.urls[idx]
+                url, times_aside = self.urls[idx], self.pool.times_aside[idx]
                 resp = await self._ask(idx, model, q)
-            except (RequestFailed, NoServerAnswers) as e:
+                self.pool.check_reply(idx, times_aside)
+            except (RequestFailed, NoServerAnswers, ServerLostMidRequest) as e:
                 failure = classify_request_error(e, self.g.request_timeout_s)
                 if failure is None:
                     raise

@@ -11,7 +11,8 @@ are started by ``server.py`` (the launcher).
   among the servers that answer; a server whose request fails to connect is set aside (logged), probed on
   ``/health`` with backoff and taken back when it answers, serves the run's model (``/v1/models`` read again) and
   passes the stage's check (02 and 04 online: the capture check); a retry waiting because no server answered is
-  sent at once then (``wait_to_retry``). The stage starts with the servers that answer and stops only when none does.
+  sent at once then (``wait_to_retry``); a reply to a request that was in flight when its server was set aside is
+  not used (``check_reply``: it may come from a server restarted on that port, unchecked). The stage starts with the servers that answer and stops only when none does.
 - ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
   waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
 """
@@ -108,7 +109,7 @@ def classify_request_error(error: BaseException, timeout_s: float) -> RequestFai
 
     if isinstance(error, RequestFailed):
         return error.failure
-    if isinstance(error, NoServerAnswers):
+    if isinstance(error, (NoServerAnswers, ServerLostMidRequest)):
         return RequestFailure("connection", str(error), True)
     if isinstance(error, openai.APITimeoutError):
         return RequestFailure("timeout", f"no reply within {timeout_s:g} s", True)
@@ -201,6 +202,12 @@ class NoServerAnswers(Exception):
     when a server is taken back: ``ServerPool.wait_to_retry``)."""
 
 
+class ServerLostMidRequest(Exception):
+    """A reply came from a server that was set aside while the request was in flight (``ServerPool.check_reply``):
+    whatever listens on its port now may be a restarted server, not yet checked, so the reply is not used (kind
+    ``connection``, retried like NoServerAnswers)."""
+
+
 class NotAdmittedYet(Exception):
     """A pool's ``admit`` check could not finish on a server that answers again (it stopped answering, a request
     failed): the server stays aside and is probed again."""
@@ -253,6 +260,7 @@ class ServerPool:
         self.clients = [make_async_client(u, timeout_s, max_connections=max_connections) for u in self.urls]
         self.in_flight = [0] * len(self.urls)
         self.aside: dict[int, str] = {}  # server index -> why it was set aside
+        self.times_aside = [0] * len(self.urls)  # per server: how often it was set aside (check_reply)
         self.served: dict[int, ServedModel] = {}  # what each server that answered serves
         self.model = ""  # the model every server must serve (set by the stage after open)
         self.max_model_len = 0  # the smallest max_model_len of the servers at open: a server taken back needs it
@@ -341,13 +349,22 @@ class ServerPool:
     def release(self, idx: int) -> None:
         self.in_flight[idx] -= 1
 
+    def check_reply(self, idx: int, times_aside: int) -> None:
+        """Raise ServerLostMidRequest when server ``idx`` was set aside since ``times_aside`` (``self.times_aside[idx]``
+        when its request was sent): the request may have reached a server restarted on the same port, which no
+        ``/v1/models`` and no admit check has seen yet (another model, a shorter context)."""
+        if self.times_aside[idx] != times_aside:
+            raise ServerLostMidRequest(f"{self.urls[idx]} stopped answering while this request was in flight; its "
+                                       f"reply is not used (probed on /health; flag {self.flag})")
+
     async def wait_to_retry(self, delay_s: float, error: BaseException | None) -> None:
         """Sleep ``delay_s`` before a request that failed with ``error`` is sent again. When no server answered
         (NoServerAnswers, or a connection failure: ``report_failure`` set its server aside), wake as soon as the
         pool takes a server back: a restarted server is used at once, not at the end of a backoff that doubled
         while it was down. Any other failure (``error`` None: a bad file; a 5xx, a late reply) waits the whole
         delay: a busy or broken server is not hammered."""
-        if error is None or not (isinstance(error, NoServerAnswers) or is_connection_failure(error)):
+        if error is None or not (isinstance(error, (NoServerAnswers, ServerLostMidRequest))
+                                 or is_connection_failure(error)):
             await asyncio.sleep(delay_s)
             return
         if self._taken_back is None:
@@ -363,6 +380,7 @@ class ServerPool:
         if idx in self.aside:
             return
         self.aside[idx] = why
+        self.times_aside[idx] += 1
         live = len(self.urls) - len(self.aside)
         log.warning("%s does not answer (%s): set aside, probed on /health until it does; %d of %d servers in use",
                     self.urls[idx], why, live, len(self.urls))

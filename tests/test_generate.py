@@ -45,8 +45,10 @@ from eagle3pipe.vllm_client import (
     NoServerAnswers,
     RequestFailed,
     RequestFailure,
+    ServerLostMidRequest,
     ServerPool,
     api_base,
+    classify_request_error,
     parse_prometheus_text,
     status_failure,
 )
@@ -589,6 +591,28 @@ def test_the_pool_takes_a_server_back_once_it_answers_on_its_port():
                         await asyncio.sleep(0.1)
                     assert not pool.aside and pool.served[0].name == "stub"
                     assert pool.acquire() == 0  # fewest in flight: 0 against 3
+
+    asyncio.run(drill())
+
+
+def test_a_reply_to_a_request_in_flight_when_its_server_was_set_aside_is_not_used():
+    """A server that dies mid-run with requests in flight may be back on its port before one of them connects (the
+    extraction drill's instant restart, test_extract_vllm_faults.py): that request reaches a server no /v1/models
+    read and no check has seen. check_reply refuses its reply once the server was set aside after the request was
+    sent (a connection failure, retried when a server is taken back), and trusts a request sent afterwards."""
+    port = free_port()
+
+    async def drill() -> None:
+        async with ServerPool([f"http://127.0.0.1:{port}"], 5.0, 4, flag="--extract-url") as pool:
+            first, second = pool.acquire(), pool.acquire()
+            sent = pool.times_aside[first]
+            pool.check_reply(first, sent)  # nothing happened meanwhile: used
+            pool.set_aside(second, "ConnectError: the other request's connection was refused")
+            with pytest.raises(ServerLostMidRequest, match=f"127.0.0.1:{port} stopped answering") as lost:
+                pool.check_reply(first, sent)
+            failure = classify_request_error(lost.value, 5.0)
+            assert (failure.kind, failure.retryable) == ("connection", True)
+            pool.check_reply(first, pool.times_aside[first])  # a request sent after it was set aside (taken back)
 
     asyncio.run(drill())
 
