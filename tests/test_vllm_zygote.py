@@ -99,6 +99,8 @@ def test_sigterm_to_the_door_ends_the_server_and_the_door_dies_as_it_did(zygote,
     door = _door(zygote, tmp_path, "waits", WAITS, str(tmp_path / "pid"))
     forked = _forked_pid(tmp_path / "pid", door)
     assert forked != door.pid
+    cmdline = Path(f"/proc/{forked}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    assert f"-m waits {tmp_path / 'pid'} (forked by vllm_zygote)" in cmdline  # ps and bench/suite_cpu.py see the server
     door.send_signal(signal.SIGTERM)
     assert door.wait(timeout=GONE_WITHIN_S) == -signal.SIGTERM  # the module died of the SIGTERM the door relayed
     assert _gone(forked)

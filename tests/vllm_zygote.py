@@ -39,6 +39,7 @@ RUN_TIME_VARIABLES = {"VLLM_HOST_IP", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VL
                       "VLLM_API_KEY", "VLLM_WORKER_MULTIPROC_METHOD", "PYTHONPATH",
                       "TORCHINDUCTOR_CACHE_DIR",  # read by torch each time it looks for the cache
                       "COLUMNS", "LINES",  # pytest's terminal size, read when asked (shutil.get_terminal_size)
+                      "CONFIG", "DEMO_SKIP_SETUP",  # demo.sh's settings, read by no module
                       "PWD", "OLDPWD", "SHLVL", "_"}  # a shell's, read by no module
 RUN_TIME_PREFIXES = ("PYTEST_", "EAGLE3PIPE_")  # pytest's and xdist's about the current test; ours (vLLM reads none)
 STARTING_WAIT_S = 120.0  # a door waits this long for a zygote still importing (its socket bound, not yet renamed)
@@ -236,6 +237,10 @@ def _become_server(request: dict, imported: dict[str, str | None], fds: list[int
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        module, *args = request["argv"]
+        # the server's command line in ps and /proc (before the environment is replaced: setproctitle finds the
+        # room for a longer title in the original environment's memory)
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args, "(forked by vllm_zygote)"]))
         zygote_paths = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
         os.chdir(request["cwd"])
         os.umask(request["umask"])
@@ -248,8 +253,6 @@ def _become_server(request: dict, imported: dict[str, str | None], fds: list[int
                 os.environ[name] = value
         sys.path[1:1] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in
                          zygote_paths]  # where python puts $PYTHONPATH: after the script's directory
-        module, *args = request["argv"]
-        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args, "(forked by vllm_zygote)"]))
         # runpy warns that the module is already imported: it is, in the zygote, on purpose
         warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                                 category=RuntimeWarning)
