@@ -41,7 +41,9 @@ RUN_TIME_VARIABLES = {"VLLM_HOST_IP", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VL
                       "COLUMNS", "LINES",  # pytest's terminal size, read when asked (shutil.get_terminal_size)
                       "CONFIG", "DEMO_SKIP_SETUP",  # demo.sh's settings, read by no module
                       "PWD", "OLDPWD", "SHLVL", "_"}  # a shell's, read by no module
-RUN_TIME_PREFIXES = ("PYTEST_", "EAGLE3PIPE_")  # pytest's and xdist's about the current test; ours (vLLM reads none)
+# pytest's and xdist's about the current test; ours (vLLM reads none); wandb's, read when a run starts (a test
+# process that logged to wandb keeps WANDB_SERVICE)
+RUN_TIME_PREFIXES = ("PYTEST_", "EAGLE3PIPE_", "WANDB_")
 STARTING_WAIT_S = 120.0  # a door waits this long for a zygote still importing (its socket bound, not yet renamed)
 
 
