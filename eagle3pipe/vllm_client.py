@@ -12,7 +12,8 @@ are started by ``server.py`` (the launcher).
   ``/health`` with backoff and taken back when it answers, serves the run's model (``/v1/models`` read again) and
   passes the stage's check (02 and 04 online: the capture check); a retry waiting because no server answered is
   sent at once then (``wait_to_retry``); a reply to a request that was in flight when its server was set aside is
-  not used (``check_reply``: it may come from a server restarted on that port, unchecked). The stage starts with the servers that answer and stops only when none does.
+  not used (``check_reply``: it may come from a server restarted on that port, unchecked). The stage starts with
+  the servers that answer and stops only when none does.
 - ``read_metrics`` / ``aread_metrics``: the server's ``/metrics`` (Prometheus text) as ``ServerMetrics``: running and
   waiting requests, generated tokens, queue-time histogram sums, speculative-decoding counters.
 """
