@@ -22,6 +22,8 @@
 #   bash bench/gpu_route.sh speed   # carry core.tar.xz + unpack.py + .gpuwork/whl: issue 46's GPU-scale verifier
 #                                   # (TRACKS=gpu-dense, or gpu-k25 with moe.tar.xz) trained here, 01 -> 05 for each
 #                                   # draft (bench/gpu_route.py --speed-*); repeat on the warm machine to go on
+#   bash bench/gpu_route.sh profile # after `speed`: vLLM's torch profiler on a speculation step of each draft in
+#                                   # $VARIANTS at concurrency 1 and 16 (bench/gpu_step_profile.py)
 #   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25", side by side): the export
 #                                   # on vLLM's EAGLE-3 and the verifier alone, when `route` ran out of time before it
 #                                   # (a 04 it cut is resumed first)
@@ -96,6 +98,18 @@ case "$1" in
       cp "$f" "$OUT/${d}_report.md"; cp "$(dirname "$f")/report.json" "$OUT/${d}_report.json"; }; done
     python3 -c "import json; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-5000:])"
     ;;
+  profile)  # issue 46: where a speculation step's time goes, for the speed track's drafts (after `speed`): vLLM's torch
+            # profiler at concurrency 1 and 16 (bench/gpu_step_profile.py), $VARIANTS (default eagle3) of $SIZE
+    export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python
+    S=${SIZE:-gpu-dense}
+    for v in ${VARIANTS:-eagle3}; do
+      timeout "${PROFILE_TIMEOUT_S:-400}" python3 bench/gpu_step_profile.py --verifier "/tmp/gr/${S}_verifier" \
+        --draft "/tmp/gr/${S}_${v}/checkpoints/final" --prompts "/tmp/gr/${S}_inputs/eval_prompts.jsonl" \
+        --out "$OUT/profile_${S}_${v}" --levels ${LEVELS:-1 16} > "$OUT/profile_${S}_${v}.log" 2>&1
+      say "profile $S $v: exit $?"; tail -30 "$OUT/profile_${S}_${v}.log"
+      rm -rf "$OUT/profile_${S}_${v}/traces"  # large; profile.json holds what was read from them
+    done
+    ;;
   eval)  # the configs side by side; a 04 that route's deadline cut is resumed first (run_all's printed command)
     ours || exit 1
     export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python PYTHON=python3
@@ -120,5 +134,5 @@ case "$1" in
     tail -c 6000 "$OUT/slice_vllm.log"
     tar -czf "$OUT/slice_logs.tar.gz" -C /tmp/slice --wildcards '*.log' 2>/dev/null
     ;;
-  *) echo "usage: bash bench/gpu_route.sh probe|core|route|speed|eval|slice" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_route.sh probe|core|route|speed|profile|eval|slice" >&2; exit 2 ;;
 esac
