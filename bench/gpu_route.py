@@ -546,6 +546,7 @@ def speed_config(size: str, variant: str, verifier: Path, meta: dict, chats: Pat
                      # a length-capped answer is still the verifier's own greedy text: keep it (a CPU rehearsal's
                      # barely trained verifier rarely closes </think>)
                      "include_truncated": True, "allow_empty_reasoning": cpu,
+                     "empty_reasoning_max_share": 1.0 if cpu else 0.05,
                      "server_args": server_flags(f"--reasoning-parser kimi_k2 --max-num-seqs 64 {ctx}")},
         "extract": {"input": "synthetic", "backend": "vllm", "model_dtype": "bfloat16", "concurrency": 32,
                     "request_timeout_s": 300, "server_start_timeout_s": 900, "server_args": server_flags(ctx),

@@ -158,7 +158,7 @@ def toy_config(data_dir: Path, verifier: Path, **train):
     """A PipelineConfig for the toy verifier, with train-section overrides."""
     base = {"total_seq_len": 256, "epochs": 2, "eval_fraction": 0.2, "num_workers": 0, "log_every": 1,
             "checkpoint_every": 1000, "device": "cpu", "learning_rate": 1e-3, "draft_num_heads": 4,
-            "draft_head_dim": 64, "draft_intermediate_size": 256}
+            "draft_num_kv_heads": 4, "draft_head_dim": 64, "draft_intermediate_size": 256}
     base.update(train)
     return load_config(None, {
         "shared": {"data_dir": str(data_dir), "verifier": str(verifier), "aux_layer_ids": TOY_AUX,

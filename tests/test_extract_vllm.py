@@ -364,7 +364,7 @@ def k25_train_cfg(data_dir: Path, toy: Path, **train):
     meta = json.loads((toy / "toy_verifier.json").read_text())
     t = {"total_seq_len": K25_ROW_TOKENS, "epochs": 2, "eval_fraction": 0.0, "num_workers": 0, "log_every": 1,
          "checkpoint_every": 1000, "device": "cpu", "learning_rate": 3e-3, "draft_num_heads": 4,
-         "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
+         "draft_num_kv_heads": 4, "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
     t.update(train)
     cfg = load_config(overrides={
         "shared": {"data_dir": str(data_dir), "verifier": str(toy), "aux_layer_ids": AUX, "hidden_size": 128,

@@ -212,7 +212,7 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
 
     train = {"device": "cpu", "total_seq_len": 1024, "epochs": 3, "checkpoint_every": 2, "eval_fraction": 0.0,
              "num_workers": 0, "cpu_threads": 1, "log_every": 1, "learning_rate": 3e-3, "draft_num_heads": 4,
-             "draft_head_dim": 32, "draft_intermediate_size": 256}
+             "draft_num_kv_heads": 4, "draft_head_dim": 32, "draft_intermediate_size": 256}
     cfg_path = write_config(tmp_path, toy_llama, train=train)
     with open(tmp_path / "chats.jsonl", "a") as f:  # rows 01 drops, for run_all --status on the finished run
         f.writelines(json.dumps(chat) + "\n" for chat in DROPPED_CHATS)

@@ -53,8 +53,8 @@ def _door_argv(cfg) -> list[str]:
             "--hidden-size", str(s.hidden_size), "--draft-vocab-size", str(s.draft_vocab_size), "--aux-layer-ids",
             *map(str, s.aux_layer_ids), "--device", "cpu", "--epochs", str(t.epochs), "--total-seq-len",
             str(t.total_seq_len), "--max-seq-len", str(s.max_seq_len), "--eval-fraction", str(t.eval_fraction),
-            "--num-workers", "0", "--draft-num-heads", str(t.draft_num_heads), "--draft-head-dim",
-            str(t.draft_head_dim), "--draft-intermediate-size", str(t.draft_intermediate_size),
+            "--num-workers", "0", "--draft-num-heads", str(t.draft_num_heads), "--draft-num-kv-heads",
+            str(t.draft_num_kv_heads), "--draft-head-dim", str(t.draft_head_dim), "--draft-intermediate-size", str(t.draft_intermediate_size),
             "--learning-rate", str(t.learning_rate), "--think-token-id", str(s.think_token_id),
             "--response-token-id", str(s.response_token_id), "--checkpoint-every", str(t.checkpoint_every),
             "--log-every", str(t.log_every), "--keep-checkpoints", str(t.keep_checkpoints)]

@@ -91,7 +91,7 @@ def victim(llama_extraction_server_b):
 def make_cfg(data_dir: Path, verifier: Path, urls: list[str], extract: dict | None = None, **train):
     t = {"total_seq_len": ROW_TOKENS, "epochs": 2, "eval_fraction": 0.0, "num_workers": 0, "log_every": 1,
          "checkpoint_every": 1000, "device": "cpu", "learning_rate": 3e-3, "draft_num_heads": 4,
-         "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
+         "draft_num_kv_heads": 4, "draft_head_dim": 64, "draft_intermediate_size": 256, "cpu_threads": 1}
     t.update(train)
     ex = {"input": "prepared", "backend": "vllm", "model_dtype": "bfloat16", "extract_url": urls, "concurrency": 4,
           "verify_tokens": 128, "retry_backoff_s": 0.2, "request_timeout_s": 60.0}
