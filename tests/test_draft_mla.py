@@ -243,13 +243,14 @@ def assert_model_is_vllms(model, ref: VllmMLADraft, ids: list[int], aux: torch.T
 # The table toy and its data
 
 
-def fit_table_verifier(src: Path, out: Path, seed: int = 5) -> Path:
+def fit_table_verifier(src: Path, out: Path, seed: int = 5, table: list[int] | None = None) -> Path:
     """A copy of the K2.5-shaped toy whose lm_head rows of the alphabet (only) are fitted, on its own final states of
-    random sequences over the alphabet, so that its greedy next token is mostly ``table[current]`` (a permutation):
-    every training state's, and ~77 % of unseen contexts' (the rest depends on the context, as a verifier's does)."""
+    random sequences over the alphabet, so that its greedy next token is mostly ``table[current]`` (a permutation of
+    the alphabet's positions; random by default): every training state's, and ~77 % of unseen contexts' (the rest
+    depends on the context, as a verifier's does)."""
     shutil.copytree(src, out)
     g = torch.Generator().manual_seed(seed)
-    table = torch.randperm(ALPHABET, generator=g)
+    table = torch.randperm(ALPHABET, generator=g) if table is None else torch.tensor(table)
     ids = torch.randint(0, ALPHABET, (64, 48), generator=g) + ALPHABET_BASE
     with torch.no_grad():
         h = load_text_model(src, torch.float32)(input_ids=ids).last_hidden_state  # after the final norm
@@ -271,16 +272,19 @@ def fit_table_verifier(src: Path, out: Path, seed: int = 5) -> Path:
     return out
 
 
-def greedy_rows(verifier: Path, n: int, seed: int, prompt_len: int = 12, gen_len: int = 40) -> list[TrainingRow]:
-    """The verifier's own greedy continuations (transformers, fp32, KV cache) of random prompts over the alphabet:
-    the rows stage 01b would have made at temperature 0; the loss mask on the continuation."""
+def greedy_rows(verifier: Path, n: int, seed: int, prompt_len: int = 12, gen_len: int = 40,
+                symbols: list[int] | None = None) -> list[TrainingRow]:
+    """The verifier's own greedy continuations (transformers, fp32, KV cache) of random prompts over the alphabet (or
+    over its positions ``symbols``): the rows stage 01b would have made at temperature 0; the loss mask on the
+    continuation."""
     from transformers import DynamicCache
 
     model = load_text_model(verifier, torch.float32)
     w = load_file(str(verifier / "model.safetensors"))
     head = w[next(k for k in w if k.endswith("lm_head.weight"))].float()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, ALPHABET, (n, prompt_len), generator=g) + ALPHABET_BASE
+    pool = torch.tensor(symbols if symbols is not None else range(ALPHABET))
+    ids = pool[torch.randint(0, len(pool), (n, prompt_len), generator=g)] + ALPHABET_BASE
     cache, step = DynamicCache(), ids
     with torch.no_grad():
         for _ in range(gen_len):
