@@ -134,7 +134,7 @@ def bare_step(verifier: Path, dims: dict, aux: list[int], tokens: int, steps: in
     """speculators' own training step with data already on the device (``train_lm_head``: as train.train_lm_head)."""
     from speculators.losses import resolve_loss_config
 
-    cfg_layer = draft.fresh_layer_config(verifier, dims["heads"], dims["head_dim"], dims["inter"])
+    cfg_layer = draft.fresh_layer_config(verifier, dims["heads"], dims["heads"], dims["head_dim"], dims["inter"])
     n, v, h = dims["draft_vocab"], dims["vocab"], dims["hidden"]
     sel = torch.arange(0, v, v // n)[:n]
     t2d = torch.zeros(v, dtype=torch.bool)

@@ -21,6 +21,18 @@ profiling depends on what the others hold or free):
   the next request writes its file (vLLM 0.26's example connector pops a missing file name and reports every
   finished request: either killed the engine there).
 
+- ``gpu-dense`` / ``gpu-k25`` (issue 46, the draft's worth): a verifier that costs what real ones do
+  (``eagle3pipe.toy_reasoning --size gpu-dense|gpu-k25``, trained here on the GPU), then 01 -> 01b -> 02 once, and
+  from the same states each draft of ``--speed-variants`` (03 -> 04 in a data folder of its own, one after the
+  other on the GPU): ``eagle3`` (the default geometry: a dense verifier's own heads, KV heads and head dim),
+  ``dflash``, ``eagle3_mha`` (the geometry that was the default before: MHA of head dim 128, which vLLM 0.26-0.28
+  serve only on the FlexAttention workaround), and the recipe comparisons (TTT 4 / 7, lk_hybrid loss, DFlash block
+  16 and a block every 4 tokens: ``SPEED_VARIANTS``); then 05 for each, one at a time, against one verifier-alone
+  server started while the drafts train: acceptance, tokens/s, vLLM's decode-step times and speedup at each
+  concurrency level. Every
+  step is resumable, so the same call repeated on a warm machine goes on where the last one stopped (a device call
+  is at most 10 minutes; /tmp is kept while the machine is warm).
+
 The verifier-alone server 05 measures against is started by this script at the beginning (the flags 05 would give
 it: CUDA graphs, no reasoning parser) and passed as ``evaluate.baseline_url``, so it loads while 01b runs. Every
 log lands under ``--work``; ``--out`` gets summary.json (written as results come) and a tarball of the logs.
@@ -145,7 +157,8 @@ def track_config(name: str, verifier: Path, meta: dict, chats: Path, prompts: Pa
                      "server_args": server_flags(f"--reasoning-parser kimi_k2 {ctx} "
                                                  + ("--enforce-eager" if eager_01b and not ARGS.cpu else ""))},
         "extract": {"input": "synthetic", "backend": "vllm", "model_dtype": "bfloat16", "concurrency": 32,
-                    "request_timeout_s": 300, "server_start_timeout_s": 900, "server_args": server_flags(ctx)},
+                    "request_timeout_s": 300, "server_start_timeout_s": 900, "server_args": server_flags(ctx),
+                    "force_disk": True},  # the plan sizes every row at max_seq_len; these rows are ~200 tokens
         # 3 epochs at 3e-3 on a GPU (the reduced demo's trade): on 2026-12-04 6 epochs at 1e-3 ran 04 past the
         # call's deadline by seconds, before its export, so 05 had nothing to serve
         "train": {"epochs": 1 if small else 3, "learning_rate": 0.001 if small else 0.003, "total_seq_len": 1024,
@@ -474,6 +487,187 @@ def drill_track(connector: str = "ours", delay_s: float = 0.0) -> None:
     say(f"{name}: {out}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The draft's worth (issue 46): GPU-scale verifiers, every stage, speedup by draft
+
+
+# per variant: train.* over the track's defaults (a data folder each, sharing 01 -> 02's outputs)
+SPEED_VARIANTS = {
+    "eagle3": {},  # the verifier's attention geometry (train.draft_num_kv_heads / draft_head_dim 0)
+    "dflash": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 8, "dflash_num_kv_heads": "kv"},
+    "eagle3_mha": {"draft_num_kv_heads": "heads", "draft_head_dim": 128},
+    # the recipe comparisons of issue 46 item 4 (same states, same steps; one variant a run of 04 and 05)
+    "eagle3_ttt4": {"ttt_steps": 4},
+    "eagle3_ttt7": {"ttt_steps": 7},
+    "eagle3_lk": {"loss": "lk_hybrid"},
+    "dflash_b16": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 16, "dflash_num_kv_heads": "kv"},
+    "dflash_a4": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 8, "dflash_num_kv_heads": "kv",
+                  "dflash_max_anchors": "row/4"},
+}  # "heads" / "kv": the verifier's attention heads / KV heads; "row/4": a block every 4 tokens of a packed row
+SPEED_SHARED_STAGES = ("prepared", "synthetic", "hidden_states")
+
+
+def speed_context(meta: dict) -> str:
+    """YaRN x64 makes vLLM's default context 262144 tokens for the K2.5 shape: cap it."""
+    return "--max-model-len 4096" if meta.get("flavour") == "kimi_k25" else ""
+
+
+def speed_eval_flags(meta: dict) -> list[str]:
+    """05's servers and the verifier-alone one: the same flags (CUDA graphs on a GPU)."""
+    return eval_flags(f"--max-num-seqs 64 {speed_context(meta)}")
+
+
+def speed_config(size: str, variant: str, verifier: Path, meta: dict, chats: Path, prompts: Path) -> Path:
+    """The track's config for one draft variant (its own data folder); written once, read by every stage."""
+    w, cpu = ARGS.work, ARGS.cpu
+    k25 = meta.get("flavour") == "kimi_k25"
+    ctx = speed_context(meta)
+    n = ARGS.speed_questions
+    train = {"epochs": ARGS.speed_epochs, "learning_rate": ARGS.speed_lr, "total_seq_len": 1024 if cpu else 4096,
+             "checkpoint_every": 200, "device": "cpu" if cpu else "cuda", "num_workers": 0, "log_every": 10,
+             "cpu_threads": 1 if cpu else 0, "keep_checkpoints": 1}
+    text = json.loads((verifier / "config.json").read_text())
+    text = text.get("text_config") or text
+    named = {"heads": int(text["num_attention_heads"]),
+             "kv": int(text.get("num_key_value_heads") or text["num_attention_heads"]),
+             "row/4": train["total_seq_len"] // 4}
+    train.update({k: named.get(v, v) if isinstance(v, str) else v for k, v in SPEED_VARIANTS[variant].items()})
+    cfg = {
+        "shared": {"data_dir": str(w / f"{size}_{variant}"), "verifier": str(verifier),
+                   "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
+                   "aux_layer_ids": meta["aux_layer_ids"], "hidden_size": meta["hidden_size"],
+                   "vocab_size": meta["vocab_size"], "draft_vocab_size": 512 if cpu else 32000,
+                   "max_seq_len": 1024 if cpu else 2048, "progress_every_s": 10,
+                   "trust_remote_code": bool(meta.get("trust_remote_code")), "vllm_url": []},
+        "prepare": {"dataset": [str(chats)], "max_samples": n},
+        "generate": {"concurrency": 64, "request_timeout_s": 300, "max_samples": n,
+                     "max_completion_tokens": 64 if cpu else 384, "min_completion_tokens": 4, "temperature": 0.0,
+                     "server_start_timeout_s": 900,
+                     # a length-capped answer is still the verifier's own greedy text: keep it (a CPU rehearsal's
+                     # barely trained verifier rarely closes </think>)
+                     "include_truncated": True, "allow_empty_reasoning": cpu,
+                     "server_args": server_flags(f"--reasoning-parser kimi_k2 --max-num-seqs 64 {ctx}")},
+        "extract": {"input": "synthetic", "backend": "vllm", "model_dtype": "bfloat16", "concurrency": 32,
+                    "request_timeout_s": 300, "server_start_timeout_s": 900, "server_args": server_flags(ctx),
+                    "force_disk": True},  # the plan sizes every row at max_seq_len; these rows are ~200 tokens
+        "vocab": {"mask_token": "[UNK]" if k25 else "[PAD]"},  # DFlash: a special token never in the rows
+        "train": train,
+        "evaluate": {"prompts": str(prompts), "num_prompts": 8 if cpu else 32,
+                     "concurrency": [1, 4] if cpu else [1, 8, 16], "max_completion_tokens": 64 if cpu else 256,
+                     "num_speculative_tokens": 3, "server_start_timeout_s": 900, "benchmarks": [],
+                     "server_args": speed_eval_flags(meta)},
+    }
+    path = w / f"{size}_{variant}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def speed_eval(track: str, variant: str, data_dir: Path) -> dict:
+    """What 05's report says of one draft: acceptance, tokens/s, speedup, decode steps and step costs by level."""
+    report = json.loads((data_dir / "eval" / "report.json").read_text())
+    keep = {k: report.get(k) for k in ("acceptance", "tokens_per_s", "speedup", "decode_timings", "step_costs",
+                                       "num_speculative_tokens", "platform")}
+    keep["drafts"], keep["verifier_alone"] = report.get("drafts"), report.get("verifier_alone")
+    record(track, f"eval_{variant}", keep)
+    return keep
+
+
+def speed_track(size: str) -> None:
+    w = ARGS.work
+    verifier, inputs = w / f"{size}_verifier", w / f"{size}_inputs"
+    chats, prompts = inputs / "chats.jsonl", inputs / "eval_prompts.jsonl"
+    sets = [a for kv in ARGS.verifier_set for a in ("--set", kv)]
+    run(size, "verifier", [PY, "-m", "eagle3pipe.toy_reasoning", "--size", size, "--out", str(verifier), "--device",
+                           "cpu" if ARGS.cpu else "cuda", "--chats", str(chats), "--eval-prompts", str(prompts),
+                           "--num-chats", str(ARGS.speed_questions), "--num-eval", "64",
+                           "--max-minutes", str(ARGS.verifier_minutes), *sets],
+        w / "logs" / f"{size}_verifier.log")  # a finished verifier of this recipe is reused, not retrained
+    record(size, "verifier", json.loads((verifier / "toy_reasoning.json").read_text()))
+    meta = json.loads((verifier / "toy_verifier.json").read_text())
+    variants = ARGS.speed_variants.split(",")
+    first = next(iter(SPEED_VARIANTS))  # 01 -> 02 run in its folder whichever drafts are measured (a stage's
+    cfgs = {v: speed_config(size, v, verifier, meta, chats, prompts) for v in {first, *variants}}  # hash has it)
+    main_dir = w / f"{size}_{first}"
+    env = {"PYTHON": PY}
+    run(size, "run_all_01_to_02", ["bash", "run_all.sh", "--config", str(cfgs[first]), "--to", "02_extract"],
+        w / "logs" / f"{size}_run_all.log", env)
+    for v in set(variants) - {first}:  # the other drafts train on the same states
+        (w / f"{size}_{v}").mkdir(parents=True, exist_ok=True)
+        for sub in SPEED_SHARED_STAGES:
+            link = w / f"{size}_{v}" / sub
+            if not link.exists():
+                link.symlink_to(main_dir / sub, target_is_directory=True)
+    # the verifier alone, started while the drafts train (05 measures every draft against it)
+    base_srv = VllmBaseline(verifier, w / "logs" / f"{size}_baseline_vllm.log", speed_eval_flags(meta),
+                            bool(meta.get("trust_remote_code")))
+    base_srv.start_in_background()
+    try:
+        # one 04 at a time: three at once on one H100 (2026-12-07) each ran at ~2.3 k tok/s against 23 k alone
+        # (torch.compile of three processes on the CPUs, then the GPU shared), so none finished in the call
+        for v in variants:
+            try:
+                run(f"{size}_{v}", "run_all_03_to_04",
+                    ["bash", "run_all.sh", "--config", str(cfgs[v]), "--from", "03_vocab", "--to", "04_train"],
+                    w / "logs" / f"{size}_{v}_run_all.log", env)
+            except RuntimeError as e:  # the next call resumes it; the other drafts go on
+                say(f"{size}_{v}: 03 -> 04 FAILED: {e}")
+        for v in variants:
+            if (w / f"{size}_{v}" / "checkpoints" / "metrics.jsonl").is_file():
+                record(f"{size}_{v}", "train", train_rate(w / f"{size}_{v}"))
+        url = base_srv.wait(timeout=max(deadline_left() - ARGS.min_eval_s, 1))
+        for v in variants:
+            data = w / f"{size}_{v}"
+            if (data / "eval" / "report.json").is_file():
+                speed_eval(f"{size}_{v}", v, data)
+                continue
+            if not (data / "checkpoints" / "final" / "model.safetensors").is_file():
+                record(f"{size}_{v}", "05_skipped", "no exported draft (its 04 did not finish)")
+                continue
+            if deadline_left() < ARGS.min_eval_s:  # a 05 cut by the deadline measures nothing: the next call
+                record(f"{size}_{v}", "05_deferred", f"{deadline_left():.0f} s left before the deadline")
+                continue
+            try:
+                run(f"{size}_{v}", "05_evaluate", [PY, "05_evaluate.py", "--config", str(cfgs[v]),
+                                                   *(["--baseline-url", url] if url else [])],
+                    w / "logs" / f"{size}_{v}_05.log")
+                speed_eval(f"{size}_{v}", v, data)
+            except RuntimeError as e:  # one draft's failure (its server, say) leaves the others measured
+                record(f"{size}_{v}", "05_error", str(e)[-3000:])
+                say(f"{size}_{v}: 05 FAILED: {e}")
+    finally:
+        base_srv.stop()
+
+
+class VllmBaseline:
+    """The verifier alone on a server of 05's flags, started in a thread (it loads while the drafts train)."""
+
+    def __init__(self, verifier: Path, log: Path, flags: list[str], trust_remote_code: bool):
+        from eagle3pipe.server import VllmServer
+
+        self.server = VllmServer(verifier, extra_args=flags, log_file=log, served_model_name="verifier",
+                                 enforce_eager=False, kv_cache_gib=1 if ARGS.cpu else None, startup_timeout_s=900,
+                                 trust_remote_code=trust_remote_code, gpu_memory_check=not ARGS.cpu)
+        self.started: dict = {}
+        self.thread = threading.Thread(target=self._start, daemon=True)
+
+    def _start(self) -> None:
+        try:
+            self.server.start()
+            self.started["url"] = self.server.url
+        except Exception as e:  # 05 then starts its own
+            self.started["error"] = str(e)[-2000:]
+
+    def start_in_background(self) -> None:
+        self.thread.start()
+
+    def wait(self, timeout: float) -> str | None:
+        self.thread.join(timeout=timeout)
+        return self.started.get("url")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def write_vllm_wrapper(work: Path, vllm_site: str, client_site: str) -> Path:
     """The vLLM interpreter for EAGLE3PIPE_VLLM_PYTHON: python3 with the PYTHONPATH it is given minus our client's
     wheels (their openai 3 would shadow the bundle's openai 2, which vLLM's server imports), then this repository
@@ -530,6 +724,15 @@ def main() -> None:
     p.add_argument("--min-eval-s", type=float, default=0.0,
                    help="skip 05 when less than this is left before the deadline (run it with `gpu_route.sh eval`)")
     p.add_argument("--kv-cache", default="2G", help="--kv-cache-memory-bytes of each toy server")
+    p.add_argument("--speed-variants", default="eagle3,dflash,eagle3_mha",
+                   help=f"gpu-dense / gpu-k25 tracks: the drafts trained and measured, of {', '.join(SPEED_VARIANTS)}")
+    p.add_argument("--speed-questions", type=int, default=2000, help="gpu-dense / gpu-k25: questions 01b answers")
+    p.add_argument("--speed-epochs", type=int, default=4, help="gpu-dense / gpu-k25: 04's epochs for every draft")
+    p.add_argument("--speed-lr", type=float, default=6e-4, help="gpu-dense / gpu-k25: 04's peak learning rate")
+    p.add_argument("--verifier-minutes", type=float, default=4.5, help="gpu-dense / gpu-k25: cap on its training")
+    p.add_argument("--verifier-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="gpu-dense / gpu-k25: a recipe override for the verifier (toy_reasoning --set), e.g. for a "
+                        "CPU rehearsal at toy dims")
     ARGS = p.parse_args()
     ARGS.work = ARGS.work.resolve()
     ARGS.out.mkdir(parents=True, exist_ok=True)
@@ -556,6 +759,9 @@ def main() -> None:
                 ARGS.work / "logs" / "k25_toy.log")
             toy_track("k25", toy, None, None)
         threads.append(guarded("k25", k25))
+    for size in ("gpu-dense", "gpu-k25"):
+        if size in tracks:
+            threads.append(guarded(size, speed_track, size))
     if "online" in tracks:
         threads.append(guarded("online", online_track, ready_02))
     # the drills start after the first wave of server starts (vLLM's imports and compiles take the CPUs)

@@ -19,6 +19,9 @@
 #                                   # (bench_slice_gpu.py --part transformers)
 #   bash bench/gpu_route.sh route   # carry moe.tar.xz + .gpuwork/whl: every stage on the GPU for the $TRACKS
 #                                   # (default ci,k25,online,drill,drill_vllm_example; bench/gpu_route.py)
+#   bash bench/gpu_route.sh speed   # carry core.tar.xz + unpack.py + .gpuwork/whl: issue 46's GPU-scale verifier
+#                                   # (TRACKS=gpu-dense, or gpu-k25 with moe.tar.xz) trained here, 01 -> 05 for each
+#                                   # draft (bench/gpu_route.py --speed-*); repeat on the warm machine to go on
 #   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25", side by side): the export
 #                                   # on vLLM's EAGLE-3 and the verifier alone, when `route` ran out of time before it
 #                                   # (a 04 it cut is resumed first)
@@ -77,6 +80,22 @@ case "$1" in
     grep -E "FAILED|exit [1-9]|states vLLM|drill:" "$OUT/gpu_route.log" | cut -c1-600 | tail -20
     python3 -c "import json,sys; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-7000:])"
     ;;
+  speed)  # issue 46: $TRACKS (default gpu-dense) from its verifier to 05 for every draft; resumable: repeat the
+          # same call on the warm machine until summary.json shows each draft's eval (moe.tar.xz for gpu-k25)
+    unpack core && ours || exit 1
+    if [ -f "$BUNDLE/moe.tar.xz" ]; then unpack moe || exit 1; fi
+    export PYTHONPATH=/tmp/ours:/tmp/site
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+    timeout "${SPEED_TIMEOUT_S:-585}" python3 bench/gpu_route.py --work /tmp/gr --out "$OUT" --vllm-site /tmp/site \
+      --tracks "${TRACKS:-gpu-dense}" --deadline-s "${DEADLINE_S:-560}" --min-eval-s "${MIN_EVAL_S:-150}" \
+      ${SPEED_ARGS:-} >> "$OUT/gpu_route.log" 2>&1
+    say "gpu_route speed: exit $?"
+    grep -E "\] (gpu-|run)|FAILED" "$OUT/gpu_route.log" | cut -c1-400 | tail -30
+    cp /tmp/gr/*_verifier/toy_reasoning.json "$OUT/" 2>/dev/null
+    for f in /tmp/gr/gpu-*_*/eval/report.md; do [ -f "$f" ] && { d=$(basename "$(dirname "$(dirname "$f")")");
+      cp "$f" "$OUT/${d}_report.md"; cp "$(dirname "$f")/report.json" "$OUT/${d}_report.json"; }; done
+    python3 -c "import json; s=json.load(open('$OUT/summary.json')); print(json.dumps(s)[-5000:])"
+    ;;
   eval)  # the configs side by side; a 04 that route's deadline cut is resumed first (run_all's printed command)
     ours || exit 1
     export PYTHONPATH=/tmp/ours:/tmp/site EAGLE3PIPE_VLLM_PYTHON=/tmp/gr/vllm_python PYTHON=python3
@@ -101,5 +120,5 @@ case "$1" in
     tail -c 6000 "$OUT/slice_vllm.log"
     tar -czf "$OUT/slice_logs.tar.gz" -C /tmp/slice --wildcards '*.log' 2>/dev/null
     ;;
-  *) echo "usage: bash bench/gpu_route.sh probe|core|route|eval|slice" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_route.sh probe|core|route|speed|eval|slice" >&2; exit 2 ;;
 esac

@@ -226,7 +226,11 @@ class TrainConfig:
     train_lm_head: bool = False  # also train the draft's lm_head (speculators freezes it: a fresh draft keeps the
     # verifier's rows, a warm start its checkpoint's rows, a --rebuild map the verifier's rows for new tokens)
     draft_num_heads: int = 0  # new draft only: attention heads (0 = the verifier's count; K2.5: 64)
-    draft_head_dim: int = 128  # new draft only: head dim (AQ-MedAI's K2 draft: 128; a warm start uses its checkpoint's)
+    draft_num_kv_heads: int = 0  # new EAGLE-3 draft only: key/value heads (0 = a dense verifier's; beside an MLA
+    # verifier, as many as the heads). A draft of a dense verifier's own heads, KV heads and head dim is served by
+    # vLLM 0.26-0.28 on its default path (FlashAttention-3, CUDA graphs), no workaround (docs/stages/05_evaluate.md)
+    draft_head_dim: int = 0  # new draft only: head dim (0 = a dense verifier's; beside an MLA verifier 128, the
+    # published K2/K2.5 MHA drafts' (AQ-MedAI, lightseekorg); a warm start uses its checkpoint's)
     draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
     anchor_to_init: float = 0.0  # L2-SP weight: adds anchor_to_init / 2 x the squared distance of the trained
     # weights from those training started with (a warm start's) to the loss; 0 = off (k-l-lambda's K2.6 fine-tunes:

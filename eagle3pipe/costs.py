@@ -145,21 +145,30 @@ class DraftSize:
 
 def draft_size(cfg: PipelineConfig) -> DraftSize | None:
     """The size of the draft 04 builds (None when it depends on a verifier config.json that cannot be read here: the
-    draft's heads or MLP width left at 0 = the verifier's). A warm start (train.finetune_from) keeps its own dims."""
+    draft's attention or MLP width left at 0 = the verifier's). A warm start (train.finetune_from) keeps its own
+    dims."""
     import json
 
+    from .draft import draft_attention_geometry
+
     s, t = cfg.shared, cfg.train
-    heads, inter = t.draft_num_heads, t.draft_intermediate_size
-    if not heads or not inter:
+    inter = t.draft_intermediate_size
+    text = {"num_attention_heads": t.draft_num_heads or 1, "num_key_value_heads": t.draft_num_kv_heads or 1,
+            "head_dim": t.draft_head_dim or 1}  # stands for the verifier when every dimension is given
+    if not (t.draft_num_heads and t.draft_num_kv_heads and t.draft_head_dim and inter):
         try:
             config = json.loads((Path(s.verifier) / "config.json").read_text())
         except (OSError, ValueError):
             return None
         text = config.get("text_config") or config  # Kimi-K2.5 nests its language model's config
-        heads, inter = heads or int(text["num_attention_heads"]), inter or int(text["intermediate_size"])
-    h, attn, n = s.hidden_size, heads * t.draft_head_dim, s.draft_vocab_size
-    # fc [H, 3H]; q, k, v [heads x head_dim, 2H] (kv heads = heads); o [H, heads x head_dim]; gate, up, down; 4 norms
-    layer = (len(s.aux_layer_ids) * h * h + 3 * attn * 2 * h + h * attn + 3 * inter * h + 4 * h)
+        inter = inter or int(text["intermediate_size"])
+    heads, kv_heads, head_dim = draft_attention_geometry(text, t.draft_num_heads, t.draft_num_kv_heads,
+                                                         t.draft_head_dim)
+    h, n = s.hidden_size, s.draft_vocab_size
+    # fc [H, 3H]; q [heads x head_dim, 2H]; k, v [kv heads x head_dim, 2H]; o [H, heads x head_dim]; gate, up, down;
+    # 4 norms
+    layer = (len(s.aux_layer_ids) * h * h + (heads + 2 * kv_heads) * head_dim * 2 * h + h * heads * head_dim
+             + 3 * inter * h + 4 * h)
     lm_head = n * h
     return DraftSize(params=layer + lm_head, trainable=layer + (lm_head if t.train_lm_head else 0), draft_vocab=n,
                      vocab=s.vocab_size)

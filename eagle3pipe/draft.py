@@ -193,20 +193,46 @@ def verifier_text_config(verifier: str | Path, trust_remote_code: bool = False):
     return load_text_config(verifier, trust_remote_code)[0]
 
 
-def fresh_layer_config(verifier: str | Path, num_heads: int, head_dim: int, intermediate_size: int,
-                       trust_remote_code: bool = False):
-    """A new draft's LlamaConfig: hidden size, vocab, norm eps, rope and activation from the verifier; heads,
-    head_dim and MLP width as given (0 = the verifier's head count / dense intermediate size)."""
+MLA_VERIFIER_DRAFT_HEAD_DIM = 128  # a new MHA draft beside an MLA verifier: the published K2/K2.5 drafts' head size
+
+
+def draft_attention_geometry(text_config, num_heads: int = 0, num_kv_heads: int = 0,
+                             head_dim: int = 0) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of a new draft's attention: each value given, or (0) the verifier's, read from
+    its text config (an object or config.json's dict). By default a draft of a dense verifier shares its attention
+    geometry, which vLLM 0.26-0.28 need to serve it on their default path (FlashAttention-3 plans every layer with
+    the verifier's geometry, vllm#53336; on the FlexAttention workaround a speculation step cost 7.6x a plain one on
+    an H100). An MLA verifier (a ``kv_lora_rank``) has no per-head keys to share: its query heads, as many KV heads,
+    and head dim 128. Raises ValueError when the heads cannot share the KV heads."""
+    get = text_config.get if isinstance(text_config, dict) else (lambda k, d=None: getattr(text_config, k, d))
+    verifier_heads = int(get("num_attention_heads"))
+    heads = num_heads or verifier_heads
+    if get("kv_lora_rank"):
+        kv_heads, dim = num_kv_heads or heads, head_dim or MLA_VERIFIER_DRAFT_HEAD_DIM
+    else:
+        kv_heads = num_kv_heads or int(get("num_key_value_heads") or verifier_heads)
+        dim = head_dim or int(get("head_dim") or int(get("hidden_size")) // verifier_heads)
+    if heads % kv_heads:
+        raise ValueError(f"a draft of {heads} attention heads cannot share keys/values among {kv_heads} KV heads: "
+                         "set train.draft_num_kv_heads to a divisor of train.draft_num_heads")
+    return heads, kv_heads, dim
+
+
+def fresh_layer_config(verifier: str | Path, num_heads: int, num_kv_heads: int, head_dim: int,
+                       intermediate_size: int, trust_remote_code: bool = False):
+    """A new draft's LlamaConfig: hidden size, vocab, norm eps, rope and activation from the verifier; attention
+    geometry by ``draft_attention_geometry`` (0 = the verifier's) and MLP width as given (0 = the verifier's dense
+    intermediate size)."""
     from transformers import LlamaConfig
 
     text = verifier_text_config(verifier, trust_remote_code)
-    heads = num_heads or text.num_attention_heads
+    heads, kv_heads, dim = draft_attention_geometry(text, num_heads, num_kv_heads, head_dim)
     return LlamaConfig(
         hidden_size=text.hidden_size,
         intermediate_size=intermediate_size or text.intermediate_size,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=head_dim,
+        num_key_value_heads=kv_heads,
+        head_dim=dim,
         hidden_act=getattr(text, "hidden_act", "silu"),
         rms_norm_eps=text.rms_norm_eps,
         max_position_embeddings=text.max_position_embeddings,

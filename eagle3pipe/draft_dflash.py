@@ -95,14 +95,16 @@ def yarn_rope(rope: dict | None) -> dict:
 def layer_config(verifier: str | Path, *, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int,
                  intermediate_size: int, trust_remote_code: bool = False):
     """A new DFlash draft's decoder (Qwen3Config): hidden size, vocabulary, norm eps, rope (``yarn_rope``) and
-    activation from the verifier; heads (0 = the verifier's), head_dim, KV heads (0 = heads), MLP width (0 = the
-    verifier's dense intermediate size) and layer count as given; every layer full attention (non-causal)."""
+    activation from the verifier; heads (0 = the verifier's), head_dim (0 = a dense verifier's, beside MLA 128), KV
+    heads (0 = heads), MLP width (0 = the verifier's dense intermediate size) and layer count as given; every layer
+    full attention (non-causal)."""
     from transformers import Qwen3Config
 
-    from .draft import verifier_text_config
+    from .draft import draft_attention_geometry, verifier_text_config
 
     text = verifier_text_config(verifier, trust_remote_code)
     heads = num_heads or text.num_attention_heads
+    head_dim = head_dim or draft_attention_geometry(text)[2]  # 0: a dense verifier's; beside MLA 128
     return Qwen3Config(
         vocab_size=text.vocab_size, hidden_size=text.hidden_size,
         intermediate_size=intermediate_size or text.intermediate_size, num_hidden_layers=num_layers,

@@ -36,7 +36,7 @@ table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acce
 reports say what was measured on (``platform``: vLLM version from each server's ``/version``, device, tensor
 parallel), where each draft came from (``draft_provenance``: 04's provenance.json beside or inside its folder:
 steps, rows, the training run's config hash) and, for the named benchmarks, the anchors' published acceptance
-lengths with their settings (``ANCHORS``, from shared/REFERENCE.md) beside ours.
+lengths and wall-clock speedups with their settings (``anchors.py``, from shared/REFERENCE.md) beside ours.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from pathlib import Path
 
 from .acceptance import per_request_delta, pooled_figures, spec_decode_delta
 from . import draft_dflash, draft_mla
+from .anchors import WALL_CLOCK, acceptance_anchors
 from .cli import StageError
 from .config import PipelineConfig
 from .draft import FLAT_ARCHITECTURES, flat_tensor_shapes
@@ -70,40 +71,6 @@ CPU_DEFAULT_ARGS = ["--enforce-eager"]  # CPU: start-up ~30 s instead of ~60 s; 
 CPU_KV_CACHE_GIB = 1
 EXPORTED_DRAFT = "draft"  # report column of the exported draft (--draft); baseline drafts are named after their folder
 VERIFIER_ALONE = "verifier alone"  # report column of the server without a draft
-
-
-# Published acceptance lengths of public K2/K2.5 drafts (shared/REFERENCE.md, "Anchor figures"): SGLang's "steps 3,
-# topk 1, num_draft_tokens 4" = k 3 draft tokens, acceptance length with the bonus token, as ours.
-ANCHORS = [
-    {"draft": "lightseekorg/kimi-k2.5-eagle3", "target": "Kimi-K2.5",
-     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), TorchSpec-trained on K2.5-regenerated data",
-     "acceptance_length": {"mtbench": 2.69, "gsm8k": 3.20, "humaneval": 3.29, "math500": 3.34}},
-    {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
-     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
-     "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},
-    # issue 31: a DFlash draft (docs/stages/05_evaluate.md); shown only beside a draft measured at its own k
-    {"draft": "z-lab/Kimi-K2.5-DFlash", "target": "Kimi-K2.5", "k": 7,
-     "settings": "DFlash block 8 = k 7, thinking on, greedy, 2048 new tokens, concurrency 1, SGLang",
-     "acceptance_length": {"mtbench": 3.7, "gsm8k": 5.3, "humaneval": 5.3, "math500": 5.5}},
-]
-ANCHOR_K = 3  # the EAGLE-3 anchors' k; an entry with its own "k" is a DFlash draft's
-
-
-def anchor_figures(set_names: list[str], k: int, draft_ks: set[int] = frozenset()) -> list[dict]:
-    """The anchors' published figures for the sets measured that they report (by known benchmark name), each with
-    its settings; a note when our k (the exported draft's) is not theirs (then the figures do not compare). A
-    DFlash anchor (its own "k") is listed only when some draft (``draft_ks``, with ``k``) ran at its k."""
-    out = []
-    for anchor in ANCHORS:
-        theirs = anchor.get("k", ANCHOR_K)
-        if "k" in anchor and theirs not in {k, *draft_ks}:
-            continue
-        figures = {name: anchor["acceptance_length"][name] for name in set_names if name in anchor["acceptance_length"]}
-        if figures:
-            out.append({**{key: anchor[key] for key in ("draft", "target", "settings")}, "acceptance_length": figures,
-                        "num_speculative_tokens": theirs,
-                        "note": "" if k == theirs else f"measured at k = {theirs}, ours at k = {k}: not comparable"})
-    return out
 
 
 def draft_provenance(folder: Path | None) -> dict | None:
@@ -448,6 +415,7 @@ def measure_pass(url: str, eval_set: EvalSet, cfg: PipelineConfig, concurrency: 
     result = asyncio.run(_send_all(url, eval_set.prompts, cfg, concurrency))
     after = read_metrics(url)
     result["server_generation_tokens"] = int(after.generation_tokens - before.generation_tokens)
+    result.update(decode_timings(before, after))
     if not with_draft:
         for r in result["per_request"]:
             r.pop("speculative_decoding")
@@ -468,6 +436,39 @@ def measure_pass(url: str, eval_set: EvalSet, cfg: PipelineConfig, concurrency: 
         result["num_speculative_tokens"] = (len(after.spec_decode_accepted_per_position())  # one counter per position
                                             or cfg.evaluate.num_speculative_tokens)
     return result
+
+
+def decode_timings(before, after) -> dict:
+    """vLLM's own decode timings between two scrapes (``vllm_client.ServerMetrics``): ``step_ms`` the mean time
+    between two engine steps that gave a request tokens (a plain decode step, or with a draft one speculation step:
+    k draft tokens and their verification), ``tpot_ms`` the mean of the finished requests' time per output token;
+    None where the server exports neither (then nothing else breaks)."""
+    steps = after.step_latency_count - before.step_latency_count
+    finished = after.tpot_count - before.tpot_count
+    step_s = after.step_latency_sum_s - before.step_latency_sum_s
+    return {"step_ms": round(1e3 * step_s / steps, 3) if steps else None, "decode_steps": int(steps),
+            "tpot_ms": round(1e3 * (after.tpot_sum_s - before.tpot_sum_s) / finished, 3) if finished else None}
+
+
+def step_costs(runs: dict, acceptance_by_level: dict, columns: list[str], levels: list[str]) -> dict:
+    """Per draft, set and level: its speculation step's cost in plain decode steps of the verifier alone at the same
+    set and level (``step_cost``), and the speedup its acceptance length allows at that cost (``speedup_allowed`` =
+    acceptance length / step cost, the engine's steps alone). A measured speedup below the allowed one is time
+    spent outside the engine's decode steps (prefill, scheduling, the API server)."""
+    out: dict = {}
+    alone = runs.get(VERIFIER_ALONE) or {}
+    for name in columns:
+        out[name] = {}
+        for s, per_set in runs[name].items():
+            out[name][s] = {}
+            for c in levels:
+                mine, plain = per_set["by_concurrency"][c].get("step_ms"), \
+                    ((alone.get(s) or {}).get("by_concurrency", {}).get(c) or {}).get("step_ms")
+                length = acceptance_by_level[name][s][c]
+                cost = round(mine / plain, 3) if mine and plain else None
+                out[name][s][c] = {"step_cost": cost, "acceptance_length": length,
+                                   "speedup_allowed": round(length / cost, 3) if cost and length else None}
+    return out
 
 
 def measure_server(url: str, sets: list[EvalSet], cfg: PipelineConfig, with_draft: bool, column: str) -> dict:
@@ -608,6 +609,10 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
     speedup = {name: {s: {c: (round(tps[c] / tokens_per_s[VERIFIER_ALONE][s][c], 3)
                               if measure_alone and tps[c] and tokens_per_s[VERIFIER_ALONE][s][c] else None)
                           for c in levels} for s, tps in tokens_per_s[name].items()} for name, _ in columns}
+    by_level = {name: {s: {c: per_set["by_concurrency"][c].get("acceptance_length") for c in levels}
+                        for s, per_set in runs[name].items()} for name, _ in columns}
+    timings = {col: {s: {c: {key: per_set["by_concurrency"][c].get(key) for key in ("step_ms", "tpot_ms")}
+                         for c in levels} for s, per_set in per_col.items()} for col, per_col in runs.items()}
     with_draft = _summary(runs[EXPORTED_DRAFT], acceptance[EXPORTED_DRAFT], levels[0])
     without = _summary(runs[VERIFIER_ALONE], None, levels[0]) if measure_alone else None
     servers = [d["server"] for d in drafts_out] + ([alone_out["server"]] if alone_out else [])
@@ -619,7 +624,8 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
                      "vllm_version": versions[0] if len(versions) == 1 else versions,
                      "servers_started_here": sum(bool(h.get("started_here")) for h in servers),
                      "servers_given": sum(not h.get("started_here") for h in servers)},
-        "anchors": anchor_figures([st.name for st in sets], k, set(by_draft.values())),
+        "anchors": acceptance_anchors([st.name for st in sets], k, set(by_draft.values())),
+        "wall_clock_anchors": WALL_CLOCK,
         "num_speculative_tokens": k,
         "num_speculative_tokens_by_draft": by_draft,
         "num_prompts": len(sets[0].prompts),
@@ -635,6 +641,8 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
         "acceptance": acceptance,
         "tokens_per_s": tokens_per_s,
         "speedup": speedup,
+        "decode_timings": timings,
+        "step_costs": step_costs(runs, by_level, [name for name, _ in columns], levels) if measure_alone else None,
         "runs": runs,
         "with_draft": with_draft,  # the exported draft over every set (tokens/s at the first concurrency level)
         "without_draft": without,

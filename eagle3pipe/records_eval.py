@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from .anchors import wall_clock_settings
 from .records import FORMAT_VERSION, DataDir, FormatError, atomic_write_bytes, atomic_write_json
 
 # Stage 05: evaluation report
@@ -25,7 +26,13 @@ from .records import FORMAT_VERSION, DataDir, FormatError, atomic_write_bytes, a
 #                      with_draft / without_draft: the exported draft / the verifier alone over every set,
 #                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
 #                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
-#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}]}
+#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}],
+#                      decode_timings: {column: {set: {level: {step_ms, tpot_ms}}}} (vLLM's inter-token latency:
+#                      one engine step; its per-request time per output token; null where the server has neither),
+#                      step_costs: {draft: {set: {level: {step_cost (speculation step / plain step), acceptance_length,
+#                      speedup_allowed (acceptance length / step cost)}}}} | null (no verifier alone),
+#                      wall_clock_anchors: [{draft, target, engine, hardware, concurrency, input_tokens,
+#                      output_tokens, speedup, detail, source}] (anchors.WALL_CLOCK)}
 #   eval/report.md     one table per measure: rows = sets, columns = drafts
 #   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
@@ -102,12 +109,33 @@ def eval_markdown_table(report: dict) -> str:
     lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
                    lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")
     tps, speedup = report["tokens_per_s"], report["speedup"]
+    timings, costs = report.get("decode_timings") or {}, report.get("step_costs") or {}
     cols = ([alone] if alone in tps else []) + drafts
     for level in levels:
         lines += table(f"Tokens/s at concurrency {level}", cols, lambda c, s: fmt(tps[c][s][level], ".1f"))
         if alone in tps:
             lines += table(f"Speedup over the verifier alone at concurrency {level}", drafts,
                            lambda c, s: fmt(speedup[c][s][level], ".3f"))
+        if timings:
+            lines += table(f"Decode step, ms (vLLM's inter-token latency: one engine step; with a draft, k drafts and "
+                           f"their verification) / time per output token, ms, at concurrency {level}", cols,
+                           lambda c, s: " / ".join(fmt(timings[c][s][level][key], ".2f")
+                                                   for key in ("step_ms", "tpot_ms")))
+        if costs:
+            lines += table(f"Speculation step in plain steps / speedup its acceptance allows at that cost "
+                           f"(acceptance length / step cost) at concurrency {level}", drafts,
+                           lambda c, s: " / ".join(fmt(costs[c][s][level][key], ".3f")
+                                                   for key in ("step_cost", "speedup_allowed")))
+    anchors = report.get("wall_clock_anchors") or []
+    if anchors and alone in tps:
+        ours = "; ".join(f"{c} {' / '.join(fmt(speedup[c][s][level], '.2f') for level in levels)} on {s}"
+                         for c in drafts for s in sets)
+        lines += ["### Published wall-clock speedups of Kimi drafts beside ours (other engines, GPUs, models and "
+                  "loads: the same measure, not the same experiment)", "",
+                  f"Ours (concurrency {' / '.join(levels)}): {ours}.", "",
+                  "| draft | target | concurrency | speedup | settings |", "| --- | --- | ---: | ---: | --- |"]
+        lines += [f"| {a['draft']} | {a['target']} | {a['concurrency']} | {a['speedup']:.2f} | "
+                  f"{wall_clock_settings(a)} |" for a in anchors] + [""]
     return "\n".join(lines)
 
 

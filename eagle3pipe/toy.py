@@ -390,7 +390,7 @@ def build_toy_verifier(out_dir: str | Path, flavour: str = "llama", seed: int = 
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             text_tensors = load_file(str(Path(tmp) / "model.safetensors"))
-        _save_kimi_k25(out, text_tensors, cfg, seed, dtype, save_file)
+        save_kimi_k25(out, text_tensors, cfg, seed, dtype, save_file)
     meta = {
         "flavour": flavour,
         "seed": seed,
@@ -418,7 +418,7 @@ def _token_id(folder: Path, token: str) -> int:
     return added[token]
 
 
-def _save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: str, save_file) -> None:
+def save_kimi_k25(out: Path, text_tensors: dict, text_cfg, seed: int, dtype: str, save_file) -> None:
     """Released K2.5 layout, as vLLM's ``KimiK25ForConditionalGeneration`` loads it.
 
     Text weights (``text_tensors``, the per-expert layout ``save_pretrained`` writes) go under ``language_model.``.

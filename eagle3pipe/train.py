@@ -222,13 +222,16 @@ def build_model(cfg: PipelineConfig, device: torch.device):
     d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
-        layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
-                                                t.draft_intermediate_size, s.trust_remote_code)
+        try:
+            layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_num_kv_heads,
+                                                    t.draft_head_dim, t.draft_intermediate_size, s.trust_remote_code)
+        except ValueError as e:
+            raise StageError(str(e)) from None
         model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=cfg.draft_layer_ids, d2t=d2t,
                                         t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
-        log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
-                 layer_config.num_attention_heads, layer_config.head_dim, layer_config.intermediate_size,
-                 d2t.shape[0], summary.source)
+        log.info("new draft: %d heads x %d (%d KV heads), MLP %d, draft vocab %d (vocab/ source: %s)",
+                 layer_config.num_attention_heads, layer_config.head_dim, layer_config.num_key_value_heads,
+                 layer_config.intermediate_size, d2t.shape[0], summary.source)
         return model, None
     check_warm_start_vocab(cfg, summary)
     try:
@@ -453,9 +456,9 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
 ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
 # run.json keys that fix the draft's tensors: --export-from of a checkpoint needs them equal to the config it is given
 DRAFT_SHAPE_KEYS = ("shared.verifier", "shared.aux_layer_ids", "shared.hidden_size", "shared.vocab_size",
-                    "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads", "train.draft_head_dim",
-                    "train.draft_intermediate_size", "vocab (stage 03)", "train.ttt_steps", "train.draft",
-                    "train.draft_layer_ids", "train.dflash")
+                    "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads",
+                    "train.draft_num_kv_heads", "train.draft_head_dim", "train.draft_intermediate_size",
+                    "vocab (stage 03)", "train.ttt_steps", "train.draft", "train.draft_layer_ids", "train.dflash")
 
 
 def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
@@ -468,7 +471,8 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
         "shared.hidden_size": s.hidden_size, "shared.vocab_size": s.vocab_size,
         "shared.draft_vocab_size": s.draft_vocab_size,
         "train.finetune_from": str(Path(t.finetune_from).resolve()) if t.finetune_from else "",
-        "train.draft_num_heads": t.draft_num_heads, "train.draft_head_dim": t.draft_head_dim,
+        "train.draft_num_heads": t.draft_num_heads, "train.draft_num_kv_heads": t.draft_num_kv_heads,
+        "train.draft_head_dim": t.draft_head_dim,
         "train.draft_intermediate_size": t.draft_intermediate_size,
         **({"hidden_states (stage 02)": [manifest.config_hash, manifest.num_samples, manifest.num_tokens]}
            if manifest is not None else {}),

@@ -511,6 +511,25 @@ class ServerMetrics:
     def queue_time_count(self) -> float:
         return self.value("vllm:request_queue_time_seconds_count")
 
+    # vLLM's own decode timings, histograms (_sum seconds, _count observations): the inter-token latency is observed
+    # once per request per engine step that gave it tokens (with a draft, one speculation step: draft + verify), the
+    # per-request time per output token once per finished request (its decode time / (its tokens - 1))
+    @property
+    def step_latency_sum_s(self) -> float:
+        return self.value("vllm:inter_token_latency_seconds_sum")
+
+    @property
+    def step_latency_count(self) -> float:
+        return self.value("vllm:inter_token_latency_seconds_count")
+
+    @property
+    def tpot_sum_s(self) -> float:
+        return self.value("vllm:request_time_per_output_token_seconds_sum")
+
+    @property
+    def tpot_count(self) -> float:
+        return self.value("vllm:request_time_per_output_token_seconds_count")
+
     @property
     def spec_decode_drafts(self) -> float:
         return self.value("vllm:spec_decode_num_drafts_total")

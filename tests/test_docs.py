@@ -376,3 +376,22 @@ def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
         main(["three-node", "--config", str(config)])
     assert e.value.code == 2 and "two-node" in err.getvalue()
     assert main(["two-node", "--config", str(config), "--nodes", "only-one"]) == 2
+
+
+def test_the_published_wall_clock_figures_on_05s_page_are_the_anchor_table():
+    """Issue 46: 05's page quotes the published wall-clock speedups from the one table 05's report uses
+    (eagle3pipe/anchors.py WALL_CLOCK): each entry is a row of the page's table, with its draft, target, concurrency
+    and speedup, and the page has no row the table lacks."""
+    from eagle3pipe.anchors import WALL_CLOCK
+
+    page = (ROOT / "docs" / "stages" / "05_evaluate.md").read_text()
+    start = page.index("| draft | target | concurrency | speedup | settings |")
+    lines = page[start:].splitlines()[2:]  # after the header and its separator, to the table's end
+    rows = lines[: next((i for i, line in enumerate(lines) if not line.startswith("|")), len(lines))]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [(c[0], c[1], int(c[2]), float(c[3])) for c in cells] == \
+        [(a["draft"], a["target"], a["concurrency"], a["speedup"]) for a in WALL_CLOCK]
+    for c, a in zip(cells, WALL_CLOCK):  # the settings cell names the engine and, where given, the lengths
+        assert a["engine"] in c[4] or a["engine"] == "not stated", c
+        if a["output_tokens"]:
+            assert f"{a['input_tokens']} in / {a['output_tokens']} out" in c[4], c

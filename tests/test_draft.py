@@ -250,7 +250,7 @@ def test_fresh_draft_export_carries_the_verifier_rope_for_older_readers(tmp_path
 
     verifier_rope = AutoConfig.from_pretrained(str(toy_kimi)).get_text_config().rope_parameters
     assert verifier_rope["rope_type"] == "yarn" and verifier_rope["factor"] == 64.0  # K2.5's YaRN x64, theta 50000
-    layer = draft.fresh_layer_config(toy_kimi, 4, 64, 256)
+    layer = draft.fresh_layer_config(toy_kimi, 4, 0, 64, 256)
     ck = draft.read_flat_checkpoint(make_flat_checkpoint(tmp_path / "aq", seed=11, vocab_size=KIMI_VOCAB_SIZE))
     model = draft.build_draft_model(layer, verifier=toy_kimi, aux_layer_ids=TOY_AUX, d2t=ck.d2t, t2d=ck.t2d,
                                     ttt_steps=1, attn_impl="sdpa")
@@ -280,3 +280,23 @@ def test_checkpoint_without_aux_ids_reads_and_says_none(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     assert draft.read_flat_checkpoint(src).aux_layer_ids == []
     assert draft.default_aux_layer_ids(61) == [2, 30, 58]  # vLLM's and SGLang's default for K2.5's 61 layers
+
+
+def test_a_new_draft_takes_a_dense_verifiers_attention_geometry(toy_llama, toy_kimi):
+    """Issue 46: train.draft_num_heads / draft_num_kv_heads / draft_head_dim 0 = the verifier's, so that vLLM 0.26-0.28
+    serve a new draft of a dense verifier on their default path (05's geometry check finds nothing to work around);
+    beside an MLA verifier: its query heads, as many KV heads, head dim 128; a value given wins; heads that cannot
+    share the KV heads are refused, naming the key."""
+    from eagle3pipe.draft import draft_attention_geometry, fresh_layer_config, verifier_text_config
+    from eagle3pipe.evaluate import attention_geometry
+
+    llama = json.loads((toy_llama / "config.json").read_text())
+    want = (llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"])  # (4, 2, 32)
+    layer = fresh_layer_config(toy_llama, 0, 0, 0, 0)
+    assert (layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim) == want
+    assert attention_geometry(layer) == attention_geometry(llama)  # what 05 compares before choosing a backend
+    assert draft_attention_geometry(llama, 0, 4, 128) == (4, 4, 128)  # the MHA geometry, asked for
+    mla = verifier_text_config(toy_kimi, trust_remote_code=True)
+    assert draft_attention_geometry(mla) == (mla.num_attention_heads, mla.num_attention_heads, 128)
+    with pytest.raises(ValueError, match="train.draft_num_kv_heads"):
+        draft_attention_geometry(llama, 4, 3, 0)

@@ -216,6 +216,51 @@ def test_eval_report_round_trip_markdown_and_plot(tmp_path):
     assert dd.eval_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_timings_and_step_costs_from_vllm_histograms(tmp_path):
+    """Issue 46: 05's step timings are vLLM's own histograms between two scrapes (inter-token latency: one engine
+    step; time per output token per finished request), and a speculation step's cost is its step over the verifier
+    alone's at the same set and level; the acceptance length over that cost is the speedup it allows."""
+    from eagle3pipe.evaluate import decode_timings, step_costs
+    from eagle3pipe.vllm_client import ServerMetrics, parse_prometheus_text
+
+    def scrape(itl_sum, itl_count, tpot_sum, tpot_count):
+        text = "\n".join([
+            "# TYPE vllm:inter_token_latency_seconds histogram",
+            f'vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_sum}',
+            f'vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {itl_count}',
+            f'vllm:request_time_per_output_token_seconds_sum{{engine="0",model_name="m"}} {tpot_sum}',
+            f'vllm:request_time_per_output_token_seconds_count{{engine="0",model_name="m"}} {tpot_count}', ""])
+        return ServerMetrics(url="u", taken_at=0.0, samples=parse_prometheus_text(text))
+
+    # 200 steps in 0.9 s, 4 requests finished with time per output token summing to 0.0096 s
+    got = decode_timings(scrape(1.1, 50, 0.01, 2), scrape(2.0, 250, 0.0196, 6))
+    assert got == {"step_ms": 4.5, "decode_steps": 200, "tpot_ms": 2.4}
+    assert decode_timings(scrape(0, 0, 0, 0), scrape(0, 0, 0, 0)) == {"step_ms": None, "decode_steps": 0,
+                                                                     "tpot_ms": None}
+    runs = {"verifier alone": {"s": {"by_concurrency": {"1": {"step_ms": 2.0}, "8": {"step_ms": 2.5}}}},
+            "draft": {"s": {"by_concurrency": {"1": {"step_ms": 3.0}, "8": {"step_ms": None}}}}}
+    costs = step_costs(runs, {"draft": {"s": {"1": 3.3, "8": 3.1}}}, ["draft"], ["1", "8"])
+    assert costs["draft"]["s"]["1"] == {"step_cost": 1.5, "acceptance_length": 3.3, "speedup_allowed": 2.2}
+    assert costs["draft"]["s"]["8"]["step_cost"] is None and costs["draft"]["s"]["8"]["speedup_allowed"] is None
+    # the report's markdown shows them, and the published wall-clock figures with their settings
+    from eagle3pipe.anchors import WALL_CLOCK
+
+    report = _report()
+    report["decode_timings"] = {col: {s: {c: {"step_ms": 2.0 * (col != "verifier alone") + 2.0, "tpot_ms": 1.0}
+                                          for c in ("1", "4")} for s in ("gsm8k", "humaneval")}
+                                for col in ("verifier alone", "draft", "aq")}
+    report["step_costs"] = {d: {s: {c: {"step_cost": 2.0, "acceptance_length": 3.0, "speedup_allowed": 1.5}
+                                    for c in ("1", "4")} for s in ("gsm8k", "humaneval")} for d in ("draft", "aq")}
+    report["wall_clock_anchors"] = WALL_CLOCK
+    save_eval_report(DataDir(tmp_path), report, "abc", {})
+    md = DataDir(tmp_path).eval_markdown.read_text()
+    assert "| gsm8k | 2.00 / 1.00 | 4.00 / 1.00 | 4.00 / 1.00 |" in md  # step / time per output token, ms
+    assert "| gsm8k | 2.000 / 1.500 | 2.000 / 1.500 |" in md
+    assert "| EAGLE-3 MLA, k = 3 | Kimi-K2.5 INT4 | 16 | 1.23 | vLLM 0.21.0, 8 x H200, concurrency 16, 1024 in " \
+           "/ 512 out;" in md
+    assert "Ours (concurrency 1 / 4): draft 2.00 / 2.00 on gsm8k" in md
+
+
 def test_check_eval_report_rejects_wrong_position_count():
     report = _report(k=3)
     report["num_speculative_tokens"] = 4
@@ -541,7 +586,8 @@ def test_draft_provenance_and_the_anchors_figures(tmp_path):
     published acceptance lengths (REFERENCE.md's) with their settings."""
     import time
 
-    from eagle3pipe.evaluate import anchor_figures, draft_provenance
+    from eagle3pipe.anchors import acceptance_anchors as anchor_figures
+    from eagle3pipe.evaluate import draft_provenance
     from eagle3pipe.records import write_provenance
 
     checkpoints = tmp_path / "checkpoints"

@@ -219,6 +219,15 @@ def test_benchmarks_side_by_side_drafts_by_concurrency(side_by_side, ci_server, 
                 p = report["runs"][column][b["name"]]["by_concurrency"][str(c)]
                 assert sorted(r["id"] for r in p["per_request"]) == sorted(b["prompt_ids"]), (column, b, c)
                 assert p["server_generation_tokens"] == p["completion_tokens"] > 0  # /metrics delta = client sum
+                assert p["step_ms"] > 0 and p["tpot_ms"] > 0  # vLLM's own decode timings (issue 46)
+                if column == "verifier alone":  # one token a decode step: every token after a request's first
+                    assert p["decode_steps"] == p["completion_tokens"] - p["requests"], (b, c)
+                else:  # a speculation step's cost in the verifier's plain steps, and what acceptance allows at it
+                    alone = report["runs"]["verifier alone"][b["name"]]["by_concurrency"][str(c)]
+                    cost = report["step_costs"][column][b["name"]][str(c)]
+                    assert cost["step_cost"] == pytest.approx(p["step_ms"] / alone["step_ms"], abs=2e-3)
+                    assert cost["speedup_allowed"] == pytest.approx(p["acceptance_length"] / cost["step_cost"],
+                                                                    abs=2e-3)
     # per-set acceptance = what that set's per-request counters add up to, over both concurrency levels
     for draft in ("draft", "early", "dflash"):
         for name in ("gsm8k", "math500"):

@@ -164,3 +164,90 @@ def test_ci_verifier_command_rebuilds_the_shipped_one(ci_verifier_rebuilt):
     assert rebuilt["first_loss"] == shipped["first_loss"]
     assert agreement >= 0.85 and kl < 0.06
     assert abs(rebuilt["final_loss"] - shipped["final_loss"]) < 0.05
+
+
+# -- issue 46: the GPU sizes, rehearsed at toy dims -----------------------------------------------------------------
+
+
+def test_shipped_recipe_records_are_unchanged_by_the_later_fields():
+    """Fields added to TrainRecipe after version 1 are recorded only where a size sets them, so the shipped ci and
+    bench verifiers' toy_reasoning.json still match their recipes (the rebuild test compares them), and the GPU sizes
+    record what makes them GPU-scale."""
+    from eagle3pipe.toy_reasoning import SIZES, _recipe_record
+
+    for size in ("ci", "bench"):
+        shipped = json.loads((SHIPPED_CI.parent.parent / size / "verifier" / "toy_reasoning.json").read_text())
+        assert _recipe_record(size, SIZES[size], 0) == {k: shipped[k] for k in ("recipe_version", "size", "seed",
+                                                                                 "recipe")}
+    dense = _recipe_record("gpu-dense", SIZES["gpu-dense"], 0)["recipe"]
+    assert dense["vocab_rows"] == 163840 and "architecture" not in dense  # llama: the default, not recorded
+    k25 = _recipe_record("gpu-k25", SIZES["gpu-k25"], 0)["recipe"]
+    assert k25["architecture"] == "kimi_k25" and k25["q_lora_rank"] == 1536 and k25["n_routed_experts"] >= 32
+
+
+def test_gpu_dense_shape_is_llama_1b_with_k25_vocabulary_rows():
+    """gpu-dense's model is Llama-3.2-1B's shape with K2.5's 163,840 vocabulary rows (counted on the meta device,
+    independently of the recipe: hidden 2048, 16 layers, 32 q / 8 KV heads of 64, MLP 8192, untied)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3pipe.toy_reasoning import SIZES, _model_config
+
+    cfg = _model_config(SIZES["gpu-dense"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    h, v, layers, inter, kv = 2048, 163840, 16, 8192, 8 * 64
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h  # q, o; k, v; gate, up, down; 2 norms
+    assert sum(p.numel() for p in model.parameters()) == layers * per_layer + 2 * v * h + h
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 64)
+
+
+def test_labeled_loss_equals_the_models_own_loss():
+    """The GPU sizes compute logits only where a label is: the same mean cross-entropy as transformers' own causal-LM
+    loss over the full logits (labels -100 elsewhere)."""
+    from transformers import AutoModelForCausalLM
+
+    from dataclasses import asdict
+
+    from eagle3pipe.toy_reasoning import SIZES, TrainRecipe, _labeled_loss, _model_config
+
+    recipe = TrainRecipe(**{**asdict(SIZES["gpu-dense"]), "hidden_size": 64, "intermediate_size": 128,
+                            "num_attention_heads": 2, "num_key_value_heads": 1, "num_layers": 2, "vocab_rows": 3000})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_model_config(recipe), dtype=torch.float32)
+    ids = torch.randint(0, 1000, (2, 40))
+    labels = ids.clone()
+    labels[:, :15] = -100  # the prompt
+    labels[1, 30:] = -100
+    assert torch.allclose(_labeled_loss(model, ids, labels), model(input_ids=ids, labels=labels).loss, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_gpu_k25_recipe_builds_the_release_layout_at_toy_dims(tmp_path):
+    """gpu-k25 at toy dims (its CPU rehearsal, bench/gpu_route.py --verifier-set): trained a few steps, written as
+    the release is: KimiK25ForConditionalGeneration around a DeepSeek-V3 text config at K2.5's MLA head dims with
+    the recipe's MoE, language_model.* weights, the release-shaped remote-code tokenizer, 4096 vocabulary rows."""
+    from safetensors import safe_open
+
+    overrides = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+                 "num_layers": 4, "vocab_rows": 4096, "q_lora_rank": 32, "n_routed_experts": 4,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 32, "batch_size": 1, "seq_len": 256,
+                 "num_train_tasks": 60}
+    out = build_reasoning_verifier(tmp_path / "k25", "gpu-k25", seed=0, steps=3, recipe_overrides=overrides,
+                                   accuracy_questions=0)
+    config = json.loads((out / "config.json").read_text())
+    text = config["text_config"]
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"] and text["vocab_size"] == 4096
+    assert (text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"], text["kv_lora_rank"]) == \
+        (128, 64, 128, 512)
+    assert (text["q_lora_rank"], text["n_routed_experts"], text["num_experts_per_tok"], text["first_k_dense_replace"],
+            text["n_shared_experts"]) == (32, 4, 2, 1, 1)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert tuple(f.get_slice("language_model.lm_head.weight").get_shape()) == (4096, 64)
+    assert "language_model.model.layers.1.mlp.experts.3.down_proj.weight" in keys  # per-expert, as released
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in keys  # the dense first layer
+    meta = json.loads((out / "toy_verifier.json").read_text())
+    tok = load_tokenizer(out, trust_remote_code=True)
+    assert meta["trust_remote_code"] and meta["think_token_id"] == tok.convert_tokens_to_ids("<think>")
+    command = json.loads((out / "toy_reasoning.json").read_text())["rebuild_command"]
+    assert all(f" --set {k}={v}" in command for k, v in {**overrides, "steps": 3}.items())  # what rebuilds it
