@@ -197,12 +197,14 @@ class VocabConfig:
 
 @dataclass
 class TrainConfig:
-    draft: str = "eagle3"  # "eagle3" (one layer, k drafts autoregressively) or "dflash" (a block of k + 1 in one
-    # forward; speculators' DFlashDraftModel, vLLM method dflash). docs/dflash.md: when to pick which
+    draft: str = "eagle3"  # "eagle3" (one layer, k drafts autoregressively), "eagle3_mla" (the same with the
+    # verifier's MLA attention: DeepSeek-V3 / Kimi verifiers; vLLM's Eagle3DeepseekV2ForCausalLM) or "dflash" (a block
+    # of k + 1 in one forward; speculators' DFlashDraftModel, vLLM method dflash). docs/mla.md: when to pick which
     draft_layer_ids: list[int] = field(default_factory=list)  # the states of shared.aux_layer_ids this draft reads
     # (an ascending subset; empty = all of them); EAGLE-3 reads exactly 3
-    finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge-format draft folder (eagle3), or a z-lab or
-    # speculators DFlash draft folder (dflash)
+    finetune_from: str = ""  # warm-start from an AQ-MedAI/SpecForge/TorchSpec-format draft folder (eagle3), an
+    # Eagle3DeepseekV2ForCausalLM one (eagle3_mla: lightseekorg's MLA drafts, ours), or a z-lab or speculators DFlash
+    # draft folder (dflash)
     epochs: int = 3  # passes over the training split
     learning_rate: float = 1e-4  # peak AdamW learning rate
     total_seq_len: int = 32768  # tokens packed per training row (one optimizer step); >= shared.max_seq_len.
@@ -230,6 +232,9 @@ class TrainConfig:
     draft_head_dim: int = 0  # new draft only: head dim (0 = a dense verifier's; beside an MLA verifier 128, the
     # published K2/K2.5 MHA drafts' (AQ-MedAI, lightseekorg); a warm start uses its checkpoint's)
     draft_intermediate_size: int = 0  # new draft only: MLP width (0 = the verifier's dense intermediate_size; K2.5: 18432)
+    anchor_to_init: float = 0.0  # L2-SP weight: adds anchor_to_init / 2 x the squared distance of the trained
+    # weights from those training started with (a warm start's) to the loss; 0 = off (k-l-lambda's K2.6 fine-tunes:
+    # 1e-4). Keeps a fine-tune near the published draft; one more fp32 copy of the trained weights in memory
     overwrite: bool = False  # start over: delete existing checkpoints/ instead of refusing (see also resume)
     grad_accum: int = 1  # packed rows summed per rank before each optimizer step: one step = world size x grad_accum
     # rows, so one GPU with grad_accum 8 reproduces an 8-GPU run's global batch (docs/stages/04_train.md)
@@ -324,6 +329,9 @@ class PlanConfig:
     server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)
 
 
+DRAFTS = ("eagle3", "eagle3_mla", "dflash")  # train.draft: the draft families (train_drafts.FAMILIES)
+
+
 SECTIONS: dict[str, type] = {
     "shared": SharedConfig,
     "prepare": PrepareConfig,
@@ -403,13 +411,19 @@ class PipelineConfig:
             if self.extract.num_workers < 0 or self.extract.writer_threads < 1 or self.extract.batch_tokens < 1:
                 raise ConfigError("extract.num_workers must be >= 0, extract.writer_threads and batch_tokens >= 1")
             self._validate_extract_backend()
-        if stage in ("vocab", "train") and self.train.draft not in ("eagle3", "dflash"):
-            raise ConfigError(f"train.draft must be 'eagle3' or 'dflash', got {self.train.draft!r}")
+        if stage in ("vocab", "train") and self.train.draft not in DRAFTS:
+            raise ConfigError(f"train.draft must be one of {', '.join(DRAFTS)}, got {self.train.draft!r}")
         if stage == "train":
             t = self.train
             self._validate_draft()
             if t.export_format not in ("eagle3", "speculators"):
                 raise ConfigError(f"train.export_format must be 'eagle3' or 'speculators', got {t.export_format!r}")
+            if t.draft == "eagle3_mla" and t.export_format != "eagle3":
+                raise ConfigError("train.export_format speculators: speculators' format has no MLA layer vLLM reads; "
+                                  "an eagle3_mla draft exports the Eagle3DeepseekV2ForCausalLM layout (eagle3)")
+            if not 0.0 <= t.anchor_to_init < float("inf"):
+                raise ConfigError(f"train.anchor_to_init must be a finite weight >= 0 (0 = off), got "
+                                  f"{t.anchor_to_init}")
             if t.attn_impl not in ("auto", "simple_flex_attention", "sdpa", "eager"):
                 raise ConfigError(f"train.attn_impl must be auto, simple_flex_attention, sdpa or eager, got {t.attn_impl!r}")
             if t.ttt_steps < 1 or t.total_seq_len < 2 or t.checkpoint_every < 1 or t.log_every < 1 or t.epochs < 1:
@@ -470,7 +484,7 @@ class PipelineConfig:
         if sorted(set(ids)) != ids or not set(ids) <= set(s.aux_layer_ids):
             raise ConfigError(f"train.draft_layer_ids {t.draft_layer_ids} must be ascending ids among "
                               f"shared.aux_layer_ids {s.aux_layer_ids} (the states stage 02 stores)")
-        if t.draft == "eagle3" and len(ids) != 3:
+        if t.draft in ("eagle3", "eagle3_mla") and len(ids) != 3:
             raise ConfigError(f"an EAGLE-3 draft reads 3 verifier states, got {ids}: name 3 of shared.aux_layer_ids "
                               f"{s.aux_layer_ids} with train.draft_layer_ids (--draft-layer-ids)")
         if t.draft != "dflash":

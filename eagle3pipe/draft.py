@@ -10,7 +10,8 @@ The flat layout (``LlamaForCausalLMEagle3``; what AQ-MedAI publishes and vLLM/SG
                        midlayer.self_attn.{q,k,v}_proj.weight [heads*head_dim, 2H], o_proj [H, heads*head_dim]
                        midlayer.mlp.{gate,up}_proj.weight [I, H], down_proj [H, I]
                        fc.weight [H, 3H], norm.weight [H], lm_head.weight [N, H], d2t int64 [N], t2d bool [V]
-                       (embed_tokens.weight [V, H] optional: vLLM shares the verifier's when absent)
+                       (embed_tokens.weight [V, H] optional: vLLM shares the verifier's when absent; d2t and t2d
+                       optional when N = V, as in lightseekorg/kimi-k2.5-eagle3: the identity map)
 
 SpecForge-trained layers use the original EAGLE-3 layout, which in speculators' flags is all four off: no norm
 before ``fc``, the decoder residual is the fc output *before* ``hidden_norm``, the final ``norm`` only feeds the
@@ -88,6 +89,7 @@ def flat_tensor_shapes(config: dict, num_aux: int = 3) -> dict[str, tuple[int, .
     head_dim = int(config.get("head_dim") or h // heads)
     n, v = int(config["draft_vocab_size"]), int(config["vocab_size"])
     m = FLAT_LAYER_PREFIX
+    maps = {"d2t": (n,), "t2d": (v,)} if n < v else {}  # a whole-vocabulary draft needs no map
     return {
         "fc.weight": (h, num_aux * h),
         f"{m}input_layernorm.weight": (h,),
@@ -102,12 +104,11 @@ def flat_tensor_shapes(config: dict, num_aux: int = 3) -> dict[str, tuple[int, .
         f"{m}mlp.down_proj.weight": (h, inter),
         "norm.weight": (h,),
         "lm_head.weight": (n, h),
-        "d2t": (n,),
-        "t2d": (v,),
+        **maps,
     }
 
 
-def _read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -137,7 +138,8 @@ def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
         raise DraftFormatError(f"{config_path}: a speculators-format draft; --finetune-from expects the flat layout")
     arch = config.get("architectures") or []
     if not any(a in FLAT_ARCHITECTURES for a in arch):
-        raise DraftFormatError(f"{config_path}: architectures {arch} is not one of {FLAT_ARCHITECTURES}")
+        hint = " (an MLA draft: train.draft eagle3_mla)" if any("Deepseek" in a for a in arch) else ""
+        raise DraftFormatError(f"{config_path}: architectures {arch} is not one of {FLAT_ARCHITECTURES}{hint}")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "draft_vocab_size", "vocab_size"):
         if key not in config:
             raise DraftFormatError(f"{config_path}: lacks '{key}'")
@@ -149,9 +151,11 @@ def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
         if aux is not None and len(aux) != 3:  # absent is allowed: the engines then capture their default
             raise DraftFormatError(f"{config_path}: {where} must list 3 ids, got {aux}")
 
-    tensors = _read_safetensors_folder(folder)
+    tensors = read_safetensors_folder(folder)
     expected = flat_tensor_shapes(config, num_aux=3)
-    optional = {"embed_tokens.weight": (int(config["vocab_size"]), int(config["hidden_size"]))}
+    vocab = int(config["vocab_size"])
+    optional = {"embed_tokens.weight": (vocab, int(config["hidden_size"])),
+                **({"d2t": (vocab,), "t2d": (vocab,)} if int(config["draft_vocab_size"]) == vocab else {})}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - set(optional))
     if missing:
@@ -162,6 +166,8 @@ def read_flat_checkpoint(folder: str | Path) -> FlatCheckpoint:
         want = {**expected, **optional}[key]
         if tuple(value.shape) != want:
             raise DraftFormatError(f"{folder}: tensor '{key}' has shape {tuple(value.shape)}, config says {want}")
+    if "d2t" not in tensors:  # the whole vocabulary, in order
+        tensors["d2t"], tensors["t2d"] = torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     try:
@@ -272,6 +278,14 @@ def remap_lm_head(old_lm_head: torch.Tensor, old_d2t: torch.Tensor, new_d2t: tor
     return rows, int(shared.sum())
 
 
+def model_vocab_map(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a speculators draft on CPU; the identity when it drafts the whole vocabulary (no buffers)."""
+    if model.d2t is None:
+        return (torch.zeros(model.draft_vocab_size, dtype=torch.int64),
+                torch.ones(model.verifier_vocab_size, dtype=torch.bool))
+    return model.d2t.cpu(), model.t2d.cpu()
+
+
 def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
     """Copy a flat checkpoint's weights into ``model`` (midlayer.* -> layers.0.*). The model's vocabulary map must
     be the checkpoint's, or its lm_head rows are remapped (shared tokens keep their rows, new ones take the
@@ -283,9 +297,10 @@ def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
         name = MODEL_LAYER_PREFIX + key[len(FLAT_LAYER_PREFIX):] if key.startswith(FLAT_LAYER_PREFIX) else key
         state[name] = value
     info = {"remapped": False, "shared": ckpt.draft_vocab_size}
-    same_map = torch.equal(model.d2t.cpu(), ckpt.d2t) and torch.equal(model.t2d.cpu(), ckpt.t2d)
+    ours_d2t, ours_t2d = model_vocab_map(model)
+    same_map = torch.equal(ours_d2t, ckpt.d2t) and torch.equal(ours_t2d, ckpt.t2d)
     if not same_map:
-        rows, shared = remap_lm_head(ckpt.tensors["lm_head.weight"], ckpt.d2t, model.d2t.cpu(),
+        rows, shared = remap_lm_head(ckpt.tensors["lm_head.weight"], ckpt.d2t, ours_d2t,
                                      model.verifier_lm_head.weight.detach().cpu())
         state["lm_head.weight"] = rows
         info = {"remapped": True, "shared": shared}
@@ -316,10 +331,7 @@ def load_finetune_draft(folder: str | Path, *, verifier: str | Path, d2t: torch.
                         aux_layer_ids: list[int], ttt_steps: int, attn_impl: str):
     """Build the draft a flat checkpoint describes (its own layer config, SpecForge norm flags) on the given
     vocabulary map, and load its weights. Returns (model, checkpoint, info)."""
-    ckpt = read_flat_checkpoint(folder)
-    if ckpt.draft_vocab_size != d2t.shape[0]:
-        raise DraftFormatError(f"{folder}: draft_vocab_size {ckpt.draft_vocab_size} but vocab/ holds {d2t.shape[0]} "
-                               "tokens: rebuild vocab/ with --draft-vocab-size equal to the checkpoint's")
+    ckpt = read_flat_checkpoint(folder)  # a vocabulary size other than vocab/'s: 03 --rebuild's, rows remapped
     model = build_draft_model(layer_config_from_flat(ckpt.config), verifier=verifier, aux_layer_ids=aux_layer_ids,
                               d2t=d2t, t2d=t2d, ttt_steps=ttt_steps, attn_impl=attn_impl)
     info = load_flat_into_model(model, ckpt)

