@@ -496,6 +496,7 @@ SPEED_VARIANTS = {
     "eagle3": {},  # the verifier's attention geometry (train.draft_num_kv_heads / draft_head_dim 0)
     "dflash": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 8, "dflash_num_kv_heads": "kv"},
     "eagle3_mha": {"draft_num_kv_heads": "heads", "draft_head_dim": 128},
+    "eagle3_mla": {"draft": "eagle3_mla"},  # the verifier's MLA attention (gpu-k25; issue 48)
     # the recipe comparisons of issue 46 item 4 (same states, same steps; one variant a run of 04 and 05)
     "eagle3_ttt4": {"ttt_steps": 4},
     "eagle3_ttt7": {"ttt_steps": 7},

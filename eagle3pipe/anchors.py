@@ -13,6 +13,10 @@ ACCEPTANCE = [
     {"draft": "lightseekorg/kimi-k2.5-eagle3", "target": "Kimi-K2.5",
      "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), TorchSpec-trained on K2.5-regenerated data",
      "acceptance_length": {"mtbench": 2.69, "gsm8k": 3.20, "humaneval": 3.29, "math500": 3.34}},
+    {"draft": "lightseekorg/kimi-k2.5-eagle3-mla", "target": "Kimi-K2.5",
+     "settings": "k = 3 (topk 1, 3 steps, 4 draft tokens), an MLA draft (train.draft eagle3_mla's family), vLLM, "
+                 "lm_eval's prompts; TorchSpec-trained on K2.5-regenerated data",
+     "acceptance_length": {"mtbench": 2.940, "gsm8k": 3.017, "humaneval": 2.969, "math500": 3.051}},
     {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
      "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
      "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},

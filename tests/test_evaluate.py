@@ -609,6 +609,7 @@ def test_draft_provenance_and_the_anchors_figures(tmp_path):
     anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
     assert [(a["draft"], a["acceptance_length"]) for a in anchors] == [
         ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.20, "mtbench": 2.69}),
+        ("lightseekorg/kimi-k2.5-eagle3-mla", {"gsm8k": 3.017, "mtbench": 2.940}),
         ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.27, "mtbench": 2.39})]
     assert all("k = 3" in a["settings"] and not a["note"] for a in anchors)
     assert "not comparable" in anchor_figures(["math500"], 5)[0]["note"]
