@@ -44,7 +44,8 @@ import yaml
 from .config import ConfigError, load_config
 from .records import DataDir, FormatError, atomic_write_bytes, check_synthetic_finished
 
-# (stage name = log name, script glob, config section it adds)
+# (stage name = its log and lock name, script glob, config section it adds): every door passes its stage name
+# to cli.run_stage (test_run_all.py runs each door to check it)
 STAGES = [
     ("01_prepare", "01_*.py", "prepare"),
     ("01b_generate", "01b_*.py", "generate"),
@@ -101,15 +102,6 @@ def find_script(repo: Path, pattern: str) -> Path:
     return matches[0]
 
 
-def stage_log_name(script: Path) -> str:
-    """The log name the door passes to ``run_stage`` (a literal), else the script's stem (``02_extract`` uses
-    its module's STAGE constant, which equals its stem)."""
-    import re
-
-    m = re.search(r'run_stage\(\s*"[^"]+"\s*,\s*"([^"]+)"', script.read_text())
-    return m.group(1) if m else script.stem
-
-
 def _synthetic_finished(dd: DataDir) -> bool:
     try:
         check_synthetic_finished(dd)
@@ -161,7 +153,7 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),
-                     "started": str(dd.stage_started(name)), "log": str(dd.log_file(stage_log_name(script))),
+                     "started": str(dd.stage_started(name)), "log": str(dd.log_file(name)),
                      "extra": extra[name], "config": stage_config,
                      "launcher": train_launcher(cfg) if name == "04_train" else [],
                      "resume": RESUME_FLAGS.get(name, [])})

@@ -376,3 +376,23 @@ def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
         main(["three-node", "--config", str(config)])
     assert e.value.code == 2 and "two-node" in err.getvalue()
     assert main(["two-node", "--config", str(config), "--nodes", "only-one"]) == 2
+
+
+def test_every_log_a_page_names_is_one_a_stage_writes():
+    """Issue 47: the pages named logs/02_extract.log while 02 wrote logs/02_extract_hidden_states.log. Every
+    logs/NAME.log in the pages and the doors' docstrings is a stage's log (run_all's stage names, which the doors
+    pass to cli.run_stage: test_run_all.py), a rank's or 04_export's, run_all's own, or a server log a stage starts."""
+    from eagle3pipe.records import DataDir
+    from eagle3pipe.run_all import STAGES
+
+    dd = DataDir(Path("/d"))
+    written = {dd.log_file(n).name for n, _, _ in STAGES} | {"04_train.rankN.log", "04_export.log", "run_all.log",
+                                                             "01b_vllm_server.log", "02_vllm_server.log",
+                                                             dd.eval_server_log("draft").name}
+    patterns = {"<stage>.log", "05_*.log", "05_vllm_*.log"}
+    texts = [p.read_text() for p in DOCS] + [p.read_text() for p in sorted(ROOT.glob("0*.py"))] + \
+        [(ROOT / "run_all.sh").read_text()]
+    named = {m for text in texts for m in re.findall(r"logs/([\w<>.*-]+\.log)", text)}
+    assert "02_extract.log" in named and not named - written - patterns, named - written - patterns
+    for source in ("eagle3pipe/extract_vllm.py", "eagle3pipe/generate.py"):  # the servers' logs, as the code names them
+        assert re.search(r'"(0\w+_vllm_server\.log)"', (ROOT / source).read_text()).group(1) in written

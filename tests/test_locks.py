@@ -85,12 +85,12 @@ def test_second_copy_of_a_stage_refuses_and_a_dead_holder_is_taken_over(tmp_path
 def test_lock_held_from_another_host_is_never_taken_over(tmp_path):
     from eagle3pipe.locks import StageLock, StageLockedError
 
-    path = DataDir(tmp_path).stage_lock("02_extract_hidden_states")
+    path = DataDir(tmp_path).stage_lock("02_extract")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"pid": 1, "host": "gpu-node-7", "started": "2026-12-01T10:00:00",
                                 "command": "python 02_extract_hidden_states.py --config k25.yaml"}))
     try:
-        StageLock(path, "02_extract_hidden_states").acquire()
+        StageLock(path, "02_extract").acquire()
         raise AssertionError("took a lock held from another host")
     except StageLockedError as e:
         assert "pid 1 on gpu-node-7" in str(e) and "another host" in str(e) and str(path) in str(e)

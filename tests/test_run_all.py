@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -82,6 +83,8 @@ def _run_all(*args: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama):
+    from test_ops_status import status
+
     cfg_path = write_config(tmp_path, toy_llama)
     dd = DataDir(tmp_path / "data")
     extract_log = Path(next(r for r in plan(str(cfg_path), [], REPO, allow_human_answers=True)
@@ -89,13 +92,19 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract",
                              "--allow-human-answers"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:  # until stage 02 has parsed its config and started working
-        wait_until(extract_log.exists, proc, "stage 02 log", poll_s=0.2)
+    journals = lambda: [ln for j in dd.hs_work.glob("shard_*/done.jsonl") for ln in j.read_text().splitlines()]  # noqa: E731
+    try:  # until stage 02 has journalled samples: run_all.sh --status then shows it running, with its progress
+        wait_until(lambda: extract_log.exists() and journals(), proc, "a sample journalled by stage 02", poll_s=0.05)
+        view, table = status(cfg_path)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # run_all.sh, the stage and tee, as a crash or `kill -9` would
         proc.wait()
     assert dd.stage_marker("01_prepare").read_text().strip()
     assert not dd.stage_marker("02_extract").exists(), "stage 02 finished before the kill: nothing was tested"
+    st = {s["name"]: s for s in view["stages"]}["02_extract"]
+    assert st["state"] == "running" and st["detail"].startswith("pid "), st  # issue 47: not "not started"
+    assert st["unit"] == "samples" and st["total"] == 40 and 1 <= st["done"] <= 40, st  # journalled of the rows
+    assert re.search(r"^02_extract\s+running\s+\d+/40 samples", table, re.M), table
     prepared_mtime = dd.prepared_data.stat().st_mtime_ns
 
     done = _run_all("--config", str(cfg_path), "--to", "02_extract", "--allow-human-answers")
@@ -262,3 +271,29 @@ def _run_all_command(command: str) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
         res = run_watched(["bash", "-c", command], log_file=Path(tmp) / "run_all.out", stall_s=300)
     return subprocess.CompletedProcess(res.args, res.returncode, res.stdout, res.stdout)
+
+
+def test_every_stage_logs_and_locks_under_its_run_all_name(tmp_path, monkeypatch):
+    """Issue 47: each door's log and lock name (what it passes to cli.run_stage) is its run_all stage name, which
+    run_all.sh's plan names its log after and --status looks for (02 once logged as 02_extract_hidden_states, and
+    --status showed it "not started" for the whole of its run)."""
+    import runpy
+
+    import eagle3pipe.cli
+
+    passed = {}
+
+    def record(stage, log_name, fn, description, argv=None):  # noqa: ARG001 (the door's own call, recorded)
+        cfg = load_config(write_config(tmp_path, tmp_path / "verifier"))
+        passed[stage] = log_name(cfg) if callable(log_name) else log_name
+        return 0
+
+    monkeypatch.setattr(eagle3pipe.cli, "run_stage", record)
+    for name, pattern, section in STAGES:
+        script = next(p for p in REPO.glob(pattern) if p.name.split("_", 1)[0] == name.split("_", 1)[0])
+        with pytest.raises(SystemExit):
+            runpy.run_path(str(script), run_name="__main__")
+        assert passed.pop(section) == name, script.name
+    rows = plan(str(write_config(tmp_path, tmp_path / "verifier")), ["http://127.0.0.1:1"], REPO)
+    assert {r["name"]: r["log"] for r in rows} == {r["name"]: str(DataDir(tmp_path / "data").log_file(r["name"]))
+                                                   for r in rows}

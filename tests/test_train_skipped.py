@@ -130,7 +130,7 @@ def test_the_online_source_reads_spool_files_through_the_same_check(tmp_path, to
 
 def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_path, toy_llama, capsys):
     rows = make_rows(12, seed=42)
-    _prepare(tmp_path, toy_llama, rows)
+    cfg = _prepare(tmp_path, toy_llama, rows)
     dd = DataDir(tmp_path)
     # eval_fraction 0.25: samples 0-8 train, 9-11 are held out
     tokens = _shorten(dd.hs_file(1))
@@ -169,6 +169,18 @@ def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_
     assert train[-1]["skipped_samples"] == 6  # every epoch's, the part before the resume included
     counts = read_provenance(dd.provenance(dd.checkpoints))["counts"]
     assert counts["skipped_samples"] == 6 and counts["skipped_held_out"] == 2
+    # run_all.sh --status lists every one of them (issue 47: it read a log line nothing writes any more)
+    from eagle3pipe.status import format_status, run_status, skip_kind
+
+    stages, drops = run_status(cfg)
+    listed_drops = [(d.id, d.reason, d.listed_in) for d in drops if d.stage == "04_train"]
+    assert sorted(listed_drops) == sorted((f"row {s.index}", skip_kind(s.reason), "checkpoints/skipped.jsonl")
+                                          for s in listed)
+    assert {d.reason for d in drops} == {"hidden states for N tokens, token_ids hold N",
+                                         "its token_ids are not the row's input_ids"}
+    st = next(st for st in stages if st.name == "04_train")
+    assert st.state == "done" and sum(st.drops.values()) == len(listed) == 8
+    assert "dropped: 8 samples in all" in format_status(cfg, stages, drops)
 
 
 def test_under_torchrun_the_share_counts_every_rank_s_skips(tmp_path, toy_llama):
