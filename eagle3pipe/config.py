@@ -308,13 +308,13 @@ class PlanConfig:
     # recipe, same architecture and int4, 8 x H200 TP 8, peak output 2100 tok/s; its overloaded mean was 486)
     extract_tokens_per_s: float = 16000.0  # 02 and 04 online: tokens/s of one extraction server (projected, 8 x H200
     # TP 8: BENCHMARKS.md "Stage 02 on vLLM", 16-36 k tok/s, the low end)
-    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 draft,
-    # 32768-token rows, BENCHMARKS.md "Data parallel")
+    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 EAGLE-3
+    # draft, 32768-token rows, BENCHMARKS.md "Data parallel"; not measured for DFlash)
     train_scaling: float = 0.91  # 04: each process's share of that rate when several train (projected: 0.91-0.96 for
     # 8 GPUs of one node, BENCHMARKS.md "Data parallel", the low end)
     packing_fill: float = 0.927  # 04: share of a packed row's slots holding tokens (measured at 32768-token rows)
-    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed from the draft's dimensions (fp32 weights +
-    # AdamW moments: 12.46 GB for the K2.5 draft, as measured; draft dims left at 0 are read from the verifier)
+    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed on the model 04 builds (fp32 weights +
+    # AdamW moments: 12.46 GB for the K2.5 EAGLE-3 draft, as measured; 42.67 GB DFlash; needs the verifier's config.json)
     evaluate_tokens_per_s: float = 80.0  # 05: generated tokens/s of one request (projected: Dynamo's K2.5 benchmark
     # shows ~105 tok/s per user on GB200 without a draft; an H200 is slower); a level of concurrency c runs c at once
     server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)

@@ -166,7 +166,7 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
     return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
 
 
-def _tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
+def server_tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
     """The tensor-parallel size each server started here asks for."""
     out = {}
     for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
@@ -187,7 +187,7 @@ def _tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
 def check_gpus(cfg: PipelineConfig) -> tuple[Check, int]:
     from .server import query_nvidia_smi
 
-    needed = _tp_sizes(cfg)
+    needed = server_tp_sizes(cfg)
     need = max(needed.values(), default=0)
     found = query_nvidia_smi()
     gpus = found[0] if found else []

@@ -233,10 +233,7 @@ def build_model(cfg: PipelineConfig, device: torch.device):
     d2t, t2d = load_vocab_mapping(dd.vocab_mapping, s.vocab_size, s.draft_vocab_size)
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
-        layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_head_dim,
-                                                t.draft_intermediate_size, s.trust_remote_code)
-        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=cfg.draft_layer_ids, d2t=d2t,
-                                        t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+        model, layer_config = draft_family(cfg, device).new_model(d2t, t2d, attn_impl)
         log.info("new draft: %d heads x %d, MLP %d, draft vocab %d (vocab/ source: %s)",
                  layer_config.num_attention_heads, layer_config.head_dim, layer_config.intermediate_size,
                  d2t.shape[0], summary.source)

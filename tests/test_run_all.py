@@ -92,7 +92,10 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract",
                              "--allow-human-answers"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    journals = lambda: [ln for j in dd.hs_work.glob("shard_*/done.jsonl") for ln in j.read_text().splitlines()]  # noqa: E731
+
+    def journals() -> list[str]:
+        return [line for j in dd.hs_work.glob("shard_*/done.jsonl") for line in j.read_text().splitlines()]
+
     try:  # until stage 02 has journalled samples: run_all.sh --status then shows it running, with its progress
         wait_until(lambda: extract_log.exists() and journals(), proc, "a sample journalled by stage 02", poll_s=0.05)
         view, table = status(cfg_path)
