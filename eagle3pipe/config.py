@@ -314,7 +314,7 @@ class PlanConfig:
     # 8 GPUs of one node, BENCHMARKS.md "Data parallel", the low end)
     packing_fill: float = 0.927  # 04: share of a packed row's slots holding tokens (measured at 32768-token rows)
     checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed on the model 04 builds (fp32 weights +
-    # AdamW moments: 12.46 GB for the K2.5 EAGLE-3 draft, as measured; 42.67 GB DFlash; needs the verifier's config.json)
+    # AdamW moments: 12.46 GB for the K2.5 EAGLE-3 draft, as measured; 42.67 GB DFlash; needs the verifier config.json)
     evaluate_tokens_per_s: float = 80.0  # 05: generated tokens/s of one request (projected: Dynamo's K2.5 benchmark
     # shows ~105 tok/s per user on GB200 without a draft; an H200 is slower); a level of concurrency c runs c at once
     server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)

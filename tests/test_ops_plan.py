@@ -129,7 +129,7 @@ def test_run_all_stops_before_01b_when_the_run_will_not_fit_on_the_disk(tmp_path
 
 
 def _plan(argv: list[str], capsys) -> tuple[int, str]:
-    """``python -m eagle3pipe.costs`` (what run_all.sh --plan execs), in this process: (exit status, stdout + stderr)."""
+    """``python -m eagle3pipe.costs`` (run_all.sh --plan execs it), in this process: (exit status, stdout + stderr)."""
     from eagle3pipe.costs import main
 
     code = main(argv)
