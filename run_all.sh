@@ -90,6 +90,18 @@ main() {
     fi
   done
 
+  # Every stage this run will run (--from, --only, --to) checks its settings now, as its door would: a setting 05
+  # refuses must not wait for the hours of 01b to 04
+  SELECTED=() ; picked=0 ; [ -z "$FROM" ] && picked=1
+  while IFS=$'\t' read -r name _; do
+    matches "$name" "$FROM" && picked=1
+    if [ -n "$ONLY" ]; then matches "$name" "$ONLY" && SELECTED+=("$name"); continue; fi
+    [ $picked -eq 1 ] && SELECTED+=("$name")
+    matches "$name" "$TO" && break
+  done <<< "$PLAN"
+  "$PYTHON" -m eagle3pipe.run_all check --config "$(head -n 1 <<< "$PLAN" | cut -f7)" "${URL_ARGS[@]}" \
+    --stages "${SELECTED[@]}" || exit 2
+
   # A signal to run_all goes to the running stage as SIGTERM (the stage flushes its files and releases its lock);
   # run_all then waits for it. A second signal kills the stage. The stage runs in the background so that these
   # traps run at once (bash defers traps while a foreground command runs); as an asynchronous command of a

@@ -15,6 +15,7 @@ line naming each failing check, and exit status 2. Nothing is started or written
 - ``disk``: free space of the data dir's disk against the plan's estimate of the whole run (``costs.py``);
 - ``tokenizer`` and ``verifier``: the tokenizer loads and holds the configured special ids; the verifier's config
   loads, matches ``shared.hidden_size`` / ``vocab_size`` / the aux layers, and its weight files are there;
+- ``mask token`` (a DFlash run): ``vocab.mask_token`` names a special token of that tokenizer, as stage 03 needs;
 - ``servers``: every configured URL answers ``/v1/models``; ``api key``: a URL whose host is not loopback needs
   ``$VLLM_API_KEY`` (the servers must not be open to the network without one).
 """
@@ -159,10 +160,12 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
     from .evaluate import fa3_plans_drafts_with_verifier_geometry
 
     if found["dist"] == "vllm" and fa3_plans_drafts_with_verifier_geometry("gpu", found["version"]):
-        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): an EAGLE-3 draft whose attention differs from "
-                                     "the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 (vllm#53336): "
-                                     "05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0; serve yours the "
-                                     "same way (docs/stages/05_evaluate.md) or use vLLM >= 0.29")
+        untried = ("; a DFlash draft served so has not run on a GPU yet" if cfg.train.draft == "dflash" else "")
+        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): a {cfg.train.draft} draft whose attention "
+                                     "differs from the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 "
+                                     "(vllm#53336): 05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0"
+                                     f"{untried}; serve yours the same way (docs/stages/05_evaluate.md) or use vLLM "
+                                     ">= 0.29")
     return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
 
 
@@ -237,6 +240,21 @@ def check_tokenizer(cfg: PipelineConfig) -> Check:
         return Check("tokenizer", "FAIL", f"{cfg.tokenizer_path}: {type(e).__name__}: {e}")
     return Check("tokenizer", "ok", f"{cfg.tokenizer_path}: {type(tok).__name__}, {len(tok)} tokens, <think> "
                                     f"{cfg.shared.think_token_id} and </think> {cfg.shared.response_token_id} as set")
+
+
+def check_mask_token(cfg: PipelineConfig) -> Check:
+    """A DFlash run's ``vocab.mask_token``, resolved as stage 03 resolves it (a special token of that name in the
+    verifier's tokenizer, inside its vocabulary), so a bad name stops the run here, not after 01b and 02."""
+    from .vocab import resolve_mask_token
+
+    if cfg.train.draft != "dflash":
+        return Check("mask token", "skip", f"train.draft {cfg.train.draft}: no mask token")
+    try:
+        name, token_id = resolve_mask_token(cfg)
+    except Exception as e:  # StageError naming the fix, or the tokenizer not loading (the tokenizer check says why)
+        return Check("mask token", "FAIL", f"{type(e).__name__}: {e}")
+    return Check("mask token", "ok", f"vocab.mask_token {name!r} = id {token_id}, a special token of the verifier's "
+                                     "tokenizer")
 
 
 def check_verifier(cfg: PipelineConfig) -> Check:
@@ -337,7 +355,7 @@ def run_checks(cfg: PipelineConfig, vllm_python_path: str | None = None) -> list
               check_package("transformers", _pinned("transformers")),
               check_package("speculators", SPECULATORS_VERSION),
               check_vllm(cfg, vllm_python(vllm_python_path), visible),
-              gpus, check_disk(cfg), check_tokenizer(cfg), check_verifier(cfg)]
+              gpus, check_disk(cfg), check_tokenizer(cfg), check_mask_token(cfg), check_verifier(cfg)]
     return checks + check_servers(cfg) + [check_api_keys(cfg)]
 
 

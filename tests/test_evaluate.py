@@ -433,13 +433,27 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
     code, err, _ = _evaluate_with_fake_vllm(tmp_path / "bad", monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD},
                                             "--draft-attention-backend", "flex")
     assert code == 2 and "evaluate.draft_attention_backend" in err, err
-    # a DFlash draft: vLLM chooses its non-causal backend itself, on any version
+    # a DFlash draft (issue 47): vLLM < 0.29 plans its layers with the verifier's geometry as well, so it gets the
+    # same workaround there (FlexAttention serves non-causal layers); from 0.29 vLLM chooses its backend itself
     from eagle3pipe import draft_dflash
     from eagle3pipe.config import load_config
-    from eagle3pipe.evaluate import draft_serving
+    from eagle3pipe.evaluate import draft_serving, speculative_config
 
-    cfg = load_config(None, {"shared": {"verifier": str(tmp_path / "verifier2")}})
-    assert draft_serving(cfg, {"speculators_model_type": draft_dflash.SPECULATORS_TYPE}, "gpu", "0.26.0") == (None, {})
+    mla = tmp_path / "mla_verifier"
+    mla.mkdir()
+    (mla / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_attention_heads": 64,
+                                                 "kv_lora_rank": 512, "qk_rope_head_dim": 64, "hidden_size": 7168}))
+    cfg = load_config(None, {"shared": {"verifier": str(mla)}})
+    dflash = {"speculators_model_type": draft_dflash.SPECULATORS_TYPE, "transformer_layer_config": {
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 7168}}
+    assert draft_serving(cfg, dflash, "gpu", "0.26.0") == ("FLEX_ATTENTION", {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert draft_serving(cfg, dflash, "gpu", "0.29.0") == (None, {}) == draft_serving(cfg, dflash, "cpu", "0.26.0")
+    folder = tmp_path / "dflash_draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**dflash, "speculators_config": {
+        "proposal_methods": [{"speculative_tokens": 7}]}}))
+    assert json.loads(speculative_config(folder, 3, "FLEX_ATTENTION")) == {
+        "method": "dflash", "model": str(folder), "num_speculative_tokens": 7, "attention_backend": "FLEX_ATTENTION"}
 
 
 def test_before_vllm_0_29_the_release_shaped_k25_verifier_gets_the_draft_on_flex(tmp_path, monkeypatch, capsys,

@@ -203,3 +203,31 @@ def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_
     assert missing.status == "FAIL" and "http://node2:8000" in missing.message and "VLLM_API_KEY" in missing.message
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     assert check_api_keys(remote).status == "ok"
+
+
+def test_check_resolves_a_dflash_run_s_mask_token_and_says_dflash_on_vllm_before_0_29_is_untried(tmp_path, toy_llama):
+    """Issue 47: a DFlash run's vocab.mask_token was first checked by 03, after 01b and 02 had run; --check now
+    resolves it as 03 does (the same names refused, the same id found). And on vLLM's GPU builds 0.26-0.28 a DFlash
+    draft gets the same warning as an EAGLE-3 one (05 serves it on FlexAttention), saying that route is untried."""
+    from eagle3pipe.doctor import check_mask_token, check_vllm
+    from eagle3pipe.vocab import resolve_mask_token
+    from tests.test_draft_fixtures import TOY_MASK_ID, TOY_MASK_TOKEN
+
+    def cfg(**vocab):
+        return load_config(_toy_config(tmp_path, shared={"verifier": str(toy_llama)}, train={"draft": "dflash"},
+                                       vocab=vocab, extract={"backend": "vllm"}))
+
+    ok = check_mask_token(cfg(mask_token=TOY_MASK_TOKEN))
+    assert ok.status == "ok" and f"id {TOY_MASK_ID}" in ok.message
+    assert resolve_mask_token(cfg(mask_token=TOY_MASK_TOKEN))[1] == TOY_MASK_ID  # what 03 writes
+    bad = check_mask_token(cfg(mask_token="[NO_SUCH]"))
+    assert bad.status == "FAIL" and "vocab.mask_token '[NO_SUCH]': no token of that name" in bad.message
+    with pytest.raises(Exception, match="no token of that name"):  # 03's own refusal, the same words
+        resolve_mask_token(cfg(mask_token="[NO_SUCH]"))
+    eagle3 = load_config(_toy_config(tmp_path, shared={"verifier": str(toy_llama)}, vocab={"mask_token": "[NO_SUCH]"}))
+    assert check_mask_token(eagle3).status == "skip"  # an EAGLE-3 run has no mask token
+
+    python = fake_vllm_env(tmp_path / "vllm-0.26", "0.26.0", dist="vllm")
+    warned = check_vllm(cfg(mask_token=TOY_MASK_TOKEN), str(python), gpus_visible=0)
+    assert warned.status == "warn" and "a dflash draft" in warned.message and "vllm#53336" in warned.message
+    assert "a DFlash draft served so has not run on a GPU yet" in warned.message

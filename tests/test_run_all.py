@@ -132,7 +132,7 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
 def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama):
     cfg_path = write_config(tmp_path, toy_llama, prepare={"dataset": [str(tmp_path / "no_such.jsonl")]})
     dd = DataDir(tmp_path / "data")
-    res = _run_all("--config", str(cfg_path), "--allow-human-answers")
+    res = _run_all("--config", str(cfg_path), "--to", "04_train", "--allow-human-answers")
     assert res.returncode != 0
     assert f"FAILED at stage 01_prepare (exit status {res.returncode}): " in res.stderr
     assert "no_such.jsonl" in res.stderr.split("FAILED at stage 01_prepare")[1]  # the stage's own error, named
@@ -141,9 +141,29 @@ def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama
     assert not dd.stage_marker("01_prepare").exists()
     assert "no_such.jsonl" in (dd.logs / "run_all.log").read_text()  # the stage's own error is in the run log
     # --from 02: 01 (which would fail again) is not run; 02 is, and fails on its own missing input
-    res = _run_all("--config", str(cfg_path), "--from", "02", "--allow-human-answers")
+    res = _run_all("--config", str(cfg_path), "--from", "02", "--to", "04", "--allow-human-answers")
     assert "01_prepare: before --from 02, not run" in res.stderr and "FAILED at stage 01_prepare" not in res.stderr
     assert "02_extract: running" in res.stderr and "FAILED at stage 02_extract" in res.stderr
+
+
+def test_every_stage_run_all_will_run_checks_its_settings_before_the_first_starts(tmp_path):
+    """Issue 47: without evaluate.prompts / benchmarks, 05 refused only once 01-04 had run (hours on K2.5). Now the
+    whole run stops before 01, naming 05's own error; a run that stops before 05 (--to) or leaves 05 out is not
+    held back by it, and one 05 accepts runs."""
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    dd = DataDir(tmp_path / "data")
+    res = _run_all("--config", str(cfg_path), "--allow-human-answers")
+    assert res.returncode == 2
+    assert ("stage 05_evaluate would refuse this config, so nothing was started: evaluate.prompts and "
+            "evaluate.benchmarks are empty") in res.stderr
+    assert not dd.log_file("01_prepare").exists()  # nothing ran
+    from eagle3pipe.run_all import check_stages
+
+    stages = [n for n, _, _ in STAGES if n != "01b_generate"]
+    check_stages(str(cfg_path), [], stages[:-1])  # --to 04_train: 05's settings are not its business
+    with pytest.raises(ConfigError, match="stage 04_train would refuse"):
+        check_stages(str(write_config(tmp_path, tmp_path / "verifier", train={"epochs": 0})), [], stages[:-1])
+    check_stages(str(write_config(tmp_path, tmp_path / "verifier", evaluate={"benchmarks": ["gsm8k"]})), [], stages)
 
 
 def test_unknown_stage_name_is_refused(tmp_path):
