@@ -108,7 +108,7 @@ class SharedConfig:
     think_token_id: int = 163606  # id of <think>; cross-checked against the tokenizer at start
     response_token_id: int = 163607  # id of </think> (start of the visible response); cross-checked likewise
     aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k.
-    # What stage 02 captures (ascending, k >= 1); a draft reads these or the subset train.aux_layer_ids names (one
+    # What stage 02 captures (ascending, k >= 1); a draft reads these or the subset train.draft_layer_ids names (one
     # extraction of the union serves an EAGLE-3 and a DFlash draft)
     hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
     vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
@@ -171,7 +171,10 @@ class ExtractConfig:
     request_timeout_s: float = 600.0  # vllm: per-request client timeout, seconds
     max_retries: int = 3  # vllm: retries after a timeout, connection error, 5xx or a file that fails its check
     retry_backoff_s: float = 2.0  # vllm: wait before the first retry, seconds; doubled per retry
-    max_error_share: float = 0.0  # vllm: exit non-zero while more than this share of rows is left open by transient failures (a rerun retries them)
+    max_error_share: float = 0.0  # vllm: exit non-zero while more than this share of rows is left open by
+    # transient failures (a rerun retries them). 04: the share of an epoch's samples its read checks may skip. 04
+    # online: a sample no server answers for after every retry always stops 04 (a checkpoint; --resume), whatever
+    # this share
     verify_tokens: int = 2048  # vllm: tokens of the first samples whose next-token top-1 from the stored final state is checked against the server's prompt_logprobs before the bulk run; 0 = off
     verify_min_agreement: float = 0.99  # vllm: stop before the bulk run when that top-1 agreement is lower
     storage_dtype: str = "bf16"  # "bf16" (whatever model_dtype) or "fp8" (e4m3 values, one scale per token and state)

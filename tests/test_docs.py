@@ -298,6 +298,10 @@ def _config(tmp_path: Path, **train) -> Path:
     return path
 
 
+TORCHRUN = ".venv/bin/python -m torch.distributed.run "  # the project's environment runs torchrun
+VLLM_SERVE = "vllm.entrypoints.cli.main serve"  # `vllm serve`, run by the vLLM environment's interpreter
+
+
 def _recipe_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
@@ -317,26 +321,28 @@ def test_two_node_recipe_commands_parse_for_the_config(tmp_path, monkeypatch):
     by_stage = {}
     for line in lines:
         words = shlex.split(line)
-        if words[0] == "python" and words[1] in SCRIPTS:
+        if words[0] == ".venv/bin/python" and words[1] in SCRIPTS:  # the project's environment runs our stages
             by_stage[SCRIPTS[words[1]]] = build_parser(SCRIPTS[words[1]], None).parse_args(words[2:])
     assert set(by_stage) == set(SCRIPTS.values()) - {"train"}  # 04 runs under torchrun, below
     assert getattr(by_stage["generate"], "shared.vllm_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
     assert getattr(by_stage["extract"], "extract.extract_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
     assert all(getattr(a, "config") == str(config) for a in by_stage.values())
     # the extraction servers: reachable from the other node, key required, writing into the shared data dir
-    serve = [shlex.split(x) for x in lines if " vllm serve " in f" {x} " and "--kv-transfer-config" in x]
+    serve = [shlex.split(x) for x in lines if VLLM_SERVE in x and "--kv-transfer-config" in x]
     assert len(serve) == 1
     words = serve[0]
     assert words[words.index("--host") + 1] == "0.0.0.0" and words[words.index("--api-key") + 1] == "$VLLM_API_KEY"
     kv = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert Path(kv["kv_connector_extra_config"]["shared_storage_path"]) == DataDir(tmp_path / "data").hs_work.resolve()
-    for line in lines:  # every vllm serve line (01b's and 02's servers) uses flags vLLM has (the list above)
-        if "vllm serve" in line:
-            assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
+    servers = [line for line in lines if VLLM_SERVE in line]
+    assert len(servers) == 2  # 01b's and 02's, each run by the vLLM environment's interpreter (.venv has no vLLM)
+    for line in servers:  # with flags vLLM has (the list above)
+        assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
+        assert re.search(rf"(^|\s)\S*python -m {VLLM_SERVE} ", line), line
     # 04 offline: one torchrun command for both nodes, rendezvous on node 0
-    train = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
+    train = [shlex.split(x) for x in lines if x.startswith(TORCHRUN)]
     assert len(train) == 1
-    args = torchrun.get_args_parser().parse_args(train[0][1:])
+    args = torchrun.get_args_parser().parse_args(train[0][3:])
     assert (args.nnodes, args.rdzv_endpoint, args.training_script) == ("2", "gpu-a:29500", "04_train.py")
     build_parser("train", None).parse_args(args.training_script_args)
 
@@ -350,12 +356,12 @@ def test_two_node_recipe_online_trains_on_node_1_from_node_0s_server(tmp_path):
     text = two_node(str(_config(tmp_path, data_source="online")), ("n0", "n1"))
     lines = _recipe_lines(text)
     assert not any("02_extract_hidden_states.py" in x for x in lines)  # online: no hidden_states/ to write
-    (train,) = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
-    args = torchrun.get_args_parser().parse_args(train[1:])
+    (train,) = [shlex.split(x) for x in lines if x.startswith(TORCHRUN)]
+    args = torchrun.get_args_parser().parse_args(train[3:])
     assert args.standalone and args.training_script == "04_train.py"
     parsed = build_parser("train", None).parse_args(args.training_script_args)
     assert getattr(parsed, "extract.extract_url") == ["http://n0:8000"]
-    assert "node 1" in text.split("torchrun --standalone")[0].rsplit("##", 1)[1]
+    assert "node 1" in text.split(f"{TORCHRUN}--standalone")[0].rsplit("##", 1)[1]
 
 
 def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
@@ -396,3 +402,50 @@ def test_every_log_a_page_names_is_one_a_stage_writes():
     assert "02_extract.log" in named and not named - written - patterns, named - written - patterns
     for source in ("eagle3pipe/extract_vllm.py", "eagle3pipe/generate.py"):  # the servers' logs, as the code names them
         assert re.search(r'"(0\w+_vllm_server\.log)"', (ROOT / source).read_text()).group(1) in written
+
+
+def test_the_recipe_prints_from_a_login_node_with_the_verifier_s_config_json_alone(tmp_path):
+    """Issue 47: the recipe needed the verifier folder (547 GB for K2.5) to print anything. On a node without it,
+    --verifier-config (a copy of its config.json) gives the layer count, and the commands name the verifier's path
+    on the GPU nodes; without either, one error line says which flag to pass."""
+    from eagle3pipe.recipe import main, two_node
+
+    config = _config(tmp_path)
+    folder = yaml.safe_load(config.read_text())["shared"]["verifier"]
+    copy = tmp_path / "config.json"
+    copy.write_text((Path(folder) / "config.json").read_text())
+    layers = json.loads(copy.read_text())["num_hidden_layers"]
+    raw = yaml.safe_load(config.read_text())
+    raw["shared"]["verifier"] = "/models/not-on-this-node"
+    config.write_text(yaml.safe_dump(raw))
+    text = two_node(str(config), ("a", "b"), str(copy))
+    (serve,) = [shlex.split(x) for x in _recipe_lines(text) if "--kv-transfer-config" in x]
+    assert "/models/not-on-this-node" in serve
+    spec = json.loads(serve[serve.index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"][-1] == layers  # the final id
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["two-node", "--config", str(config)]) == 2
+    assert "--verifier-config" in err.getvalue()
+
+
+def test_every_config_key_a_page_or_a_help_names_exists(helps):
+    """Issue 47: every --help (and the reference) named train.aux_layer_ids, a key the config refuses (the key is
+    train.draft_layer_ids). Every `section.key` in the pages, the doors' and modules' --help, run_all.sh's help and
+    the config's own comments is a field of that section (or one of its subkeys)."""
+    import dataclasses
+
+    from eagle3pipe.config import SECTIONS
+
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in SECTIONS.items()}
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOCS}
+    texts.update(helps)
+    texts["run_all.sh"] = (ROOT / "run_all.sh").read_text()
+    texts["eagle3pipe/config.py"] = (ROOT / "eagle3pipe/config.py").read_text()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        texts[str(path.relative_to(ROOT))] = path.read_text()
+    key = re.compile(rf"(?<![\w./-])({'|'.join(SECTIONS)})\.([a-z][a-z0-9_]*)(?![\w(])")
+    bad = sorted({f"{name}: {m.group(1)}.{m.group(2)}" for name, text in texts.items() for m in key.finditer(text)
+                  if m.group(2) not in fields[m.group(1)] and m.group(2) not in ("out", "log", "txt", "py", "md", "yaml", "json", "jsonl")})
+    assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
+    assert key.search("reads the subset train.aux_layer_ids names").group(2) not in fields["train"]  # would be caught

@@ -317,6 +317,8 @@ def test_every_stage_logs_and_locks_under_its_run_all_name(tmp_path, monkeypatch
         with pytest.raises(SystemExit):
             runpy.run_path(str(script), run_name="__main__")
         assert passed.pop(section) == name, script.name
+        # each door runs as ./NN_name.py too (01 and 05 did; 01b-04 were not executable, 02 had no #! line)
+        assert os.access(script, os.X_OK) and script.read_text().startswith("#!/usr/bin/env python3\n"), script.name
     rows = plan(str(write_config(tmp_path, tmp_path / "verifier")), ["http://127.0.0.1:1"], REPO)
     assert {r["name"]: r["log"] for r in rows} == {r["name"]: str(DataDir(tmp_path / "data").log_file(r["name"]))
                                                    for r in rows}
