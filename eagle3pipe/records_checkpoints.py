@@ -20,7 +20,7 @@ from .records import FORMAT_VERSION, FormatError, read_jsonl
 #       optimizer.safetensors  AdamW state: "state.{param_index}.{step|exp_avg|exp_avg_sq}"
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
-#       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
+#       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed, tokens trained so far
 #     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}: means since the line before),
 #                          per held-out evaluation ("eval": after a step, simulated_acceptance_length) and per epoch
 #                          the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
@@ -47,6 +47,8 @@ class TrainingState:
     batches_done: int  # optimizer steps of ``epoch`` done (each world size x train.grad_accum packed rows)
     seed: int
     format_version: int = FORMAT_VERSION
+    tokens: int = 0  # training tokens of every rank up to this step (metrics.jsonl's cumulative "tokens", which a
+    # resume continues from); 0 in checkpoints written before it was kept
 
     def to_json(self) -> dict:
         return asdict(self)

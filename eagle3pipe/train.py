@@ -31,6 +31,7 @@ running training. The recipe (loss by name, AdamW decay and betas, clipping, hid
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -567,6 +568,14 @@ def _truncate_records(dd: DataDir, state: TrainingState) -> list[SkippedSample]:
     return load_skipped_samples(dd.train_skipped)
 
 
+def _logged_tokens(dd: DataDir, step: int) -> int:
+    """The cumulative tokens of the last train record at or before ``step`` (a checkpoint written before
+    TrainingState kept them: the count then misses the steps between that record and the checkpoint)."""
+    records = [r for r in read_jsonl(dd.train_metrics) if r.get("kind") == "train" and r["step"] <= step] \
+        if dd.train_metrics.exists() else []
+    return int(records[-1]["tokens"]) if records else 0
+
+
 def _checkpoint_bytes(model_state: dict, optimizer_state: dict) -> int:
     """Bytes one checkpoint's tensors take (the draft's weights and the AdamW moments)."""
     tensors = list(model_state.values()) + [v for entry in optimizer_state["state"].values() for v in entry.values()]
@@ -833,6 +842,10 @@ class TrainingLoop:
                                        resumed_step=state.step if resumed else None, step=state.step)
                             if ranks.main else None)
         self.tokens_seen, self.t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
+        # every rank's tokens before this run (a resume's checkpoint): metrics.jsonl's "tokens" is cumulative over
+        # the whole run, as if it had never stopped (the rate is this run's)
+        self.tokens_before = (state.tokens or on_rank0(ranks, lambda: _logged_tokens(self.dd, state.step))
+                              if resumed else 0)
         self.waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
         self.window, self.window_steps = None, 0  # this rank's metric sums since the last log line (the logged
         # figures are their means) and the steps they span (after a resume, the steps since the checkpoint)
@@ -947,7 +960,8 @@ class TrainingLoop:
         if self.ranks.main:
             self.metrics_log.write({"kind": "train", "step": self.state.step, "epoch": epoch,
                                     "lr": lr_used, "tokens_per_s": rate,
-                                    "tokens": int(tokens_all), "elapsed_s": time.monotonic() - self.t0,
+                                    "tokens": self.tokens_before + int(tokens_all),
+                                    "elapsed_s": time.monotonic() - self.t0,
                                     "loader_wait_s": self.waited.get("loader_wait_s", 0.0),
                                     "skipped_samples": sum(self.skips.trained.values()),
                                     "rows": int(totals["loss_total"]), "window_steps": self.window_steps, **row})
@@ -1013,13 +1027,16 @@ class TrainingLoop:
     def save(self, at: TrainingState) -> None:
         """A checkpoint of ``at`` (rank 0 writes it, after checking the free space), the old ones pruned."""
         dd, t = self.dd, self.cfg.train
+        # every rank calls save at the same steps (its conditions are global), so the tokens can be summed here
+        _, (tokens_all,) = reduce_metrics(None, [], self.device, [self.tokens_seen], self.ranks.distributed)
+        written = dataclasses.replace(at, tokens=self.tokens_before + int(tokens_all))
 
         def write() -> None:
             folder = dd.checkpoint_step(at.step)
             model_state, opt_state = draft_state(self.model), self.optimizer.state_dict()
             dd.checkpoints.mkdir(parents=True, exist_ok=True)
             check_free_space(dd.checkpoints, _checkpoint_bytes(model_state, opt_state), t.min_free_gb)
-            save_train_checkpoint(folder, model_state, opt_state, self.scheduler.state_dict(), at)
+            save_train_checkpoint(folder, model_state, opt_state, self.scheduler.state_dict(), written)
             log.info("checkpoint %s", folder)
             protect = frozenset(self.best[:1]) if t.export == "best" else frozenset()
             for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints, protect):

@@ -283,6 +283,7 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
     assert killed_at < len(fresh_steps)
     for x, y in zip(fresh_steps, resumed_steps):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+        assert x["tokens"] == y["tokens"], x["step"]  # issue 47: the count went on, not from 0
     fresh_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
     assert set(fresh_draft) == set(resumed_draft)
     for k in fresh_draft:

@@ -165,3 +165,26 @@ def test_resume_with_max_steps_already_reached_has_nothing_to_do_and_keeps_the_e
         assert f"is at step {epoch_steps}, --max-steps {max_steps}: nothing left to train" in log
         assert (dd.final_checkpoint / "model.safetensors").read_bytes() == at_end
     assert [r["step"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == trained
+
+
+def test_after_resume_the_cumulative_token_count_goes_on_as_in_the_uninterrupted_run(tmp_path, toy_llama):
+    """Issue 47: metrics.jsonl's cumulative "tokens" started again from 0 after --resume (an online run resumed at
+    step 12 read 387 at step 13 where the uninterrupted run read 5,100), so every curve drawn from it was wrong. A
+    run stopped at step 1 and resumed twice (once from a checkpoint written before TrainingState kept the count,
+    which falls back on the last logged record) logs the uninterrupted run's counts at every step."""
+    import json
+
+    _prepare(tmp_path, toy_llama, make_rows(16, seed=11))
+    dd = DataDir(tmp_path)
+    argv = _door(tmp_path, toy_llama, "--log-every", "1", "--epochs", "1")
+    assert run_stage("train", "04_train", run_train, None, argv) == 0
+    whole = [(r["step"], r["tokens"]) for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+    assert len(whole) >= 3 and all(b[1] > a[1] for a, b in zip(whole, whole[1:]))
+    assert run_stage("train", "04_train", run_train, None, argv + ["--overwrite", "--max-steps", "1"]) == 0
+    state = json.loads((dd.checkpoint_step(1) / "training_state.json").read_text())
+    assert state["tokens"] == whole[0][1]  # the checkpoint keeps the count
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume", "--max-steps", "2"]) == 0
+    older = dd.checkpoint_step(2) / "training_state.json"  # as a checkpoint of an earlier version
+    older.write_text(json.dumps({k: v for k, v in json.loads(older.read_text()).items() if k != "tokens"}))
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume"]) == 0
+    assert [(r["step"], r["tokens"]) for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == whole
