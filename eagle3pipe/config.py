@@ -212,7 +212,8 @@ class TrainConfig:
     # K2.5 draft on one H200: peak 39.8 GiB at 8192, 80.7 GiB at 32768 (measured, docs/stages/04_train.md)
     ttt_steps: int = 3  # test-time-training unroll steps
     checkpoint_every: int = 500  # optimizer steps between checkpoints
-    eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
+    eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation (drawn with shared.seed from
+    # the whole rows file, so rows ordered by source are judged on every source)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     resume: bool = False  # continue from the newest checkpoint in checkpoints/
     export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3; one file vLLM and SGLang both read right:

@@ -78,7 +78,7 @@ from .train_batches import (
     agree_stop,
     check_lengths_fit,
     datasets_without_video,
-    held_out_split,
+    split_files,
     make_loader,
     packed_batches,
     states_reader,
@@ -308,13 +308,13 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
     transfer, dataset_class, stored = states_reader(manifest, dd.hs_files, train_dtype(device))
-    train_ratio = held_out_split(manifest.num_samples, t.eval_fraction)
+    train_files, held_files = split_files(manifest.num_samples, t.eval_fraction, cfg.shared.seed)
 
-    def dataset(split: str):
+    def dataset(files):
         return dataset_class(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
-                             on_missing="raise", train_ratio=train_ratio, split=split, hidden_states_dtype=stored)
+                             on_missing="raise", file_indices=files, hidden_states_dtype=stored)
 
-    train_ds, val_ds = dataset("train"), (dataset("val") if train_ratio < 1.0 else None)
+    train_ds, val_ds = dataset(train_files), (dataset(held_files) if held_files is not None else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
     return train_ds, val_ds, manifest
 
@@ -473,6 +473,7 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
 
 
 ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
+HELD_OUT_KEY = "held-out rows"  # which rows train.eval_fraction holds out (train_batches.split_files)
 # run.json keys that fix the draft's tensors: --export-from of a checkpoint needs them equal to the config it is given
 DRAFT_SHAPE_KEYS = ("shared.verifier", "shared.aux_layer_ids", "shared.hidden_size", "shared.vocab_size",
                     "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads", "train.draft_head_dim",
@@ -501,7 +502,8 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
         # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
         "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
-        "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.eval_fraction": t.eval_fraction, HELD_OUT_KEY: "drawn with shared.seed" if t.eval_fraction else "none",
+        "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: world * t.grad_accum,
         # the recipe: the loss, AdamW's decay and betas (the betas also live in the optimizer state a resume loads),
         # the clipping and the noise; half a run on one recipe and half on another is no run of either
@@ -532,6 +534,8 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
                     dd.train_run.name)
     elif resume_from is not None:
         changed = []
+        # a run.json written before issue 47 names no held-out rule: its held-out rows were the last ones
+        before = {HELD_OUT_KEY: "the last rows" if before.get("train.eval_fraction") else "none", **before}
         for k, v in now.items():
             if before.get(k, v) != v:
                 then_now = (f"{before[k]} ({record.get('layout', '?')}) then, {v} ({layout}) now"

@@ -188,3 +188,44 @@ def test_after_resume_the_cumulative_token_count_goes_on_as_in_the_uninterrupted
     older.write_text(json.dumps({k: v for k, v in json.loads(older.read_text()).items() if k != "tokens"}))
     assert run_stage("train", "04_train", run_train, None, argv + ["--resume"]) == 0
     assert [(r["step"], r["tokens"]) for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == whole
+
+
+def test_held_out_rows_are_a_seeded_share_of_every_part_of_the_rows(tmp_path, toy_llama, capsys):
+    """Issue 47: the held-out rows were the last eval_fraction of the rows file, so for rows ordered by source the
+    held-out score (and train.export best) judged one source. They are now a share drawn with shared.seed: the same
+    for the same seed, another for another, spread over the file, the two splits complementary; 04's datasets read
+    exactly those files. A run.json from before (the last rows held out) is not resumed onto the new split."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from eagle3pipe.train import HELD_OUT_KEY, build_data
+    from eagle3pipe.train_batches import split_files
+
+    trains, held = split_files(1000, 0.05, 0)
+    assert len(held) == 50 and len(trains) == 950 and sorted({*trains, *held}) == list(range(1000))
+    assert np.array_equal(held, split_files(1000, 0.05, 0)[1])
+    assert not np.array_equal(held, split_files(1000, 0.05, 1)[1])
+    assert held.min() < 250 and held.max() >= 750  # drawn from the whole file, not its tail
+    assert split_files(1000, 0.0, 0)[1] is None and split_files(1, 0.5, 0)[1] is None
+
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=12))
+    cfg = toy_config(tmp_path, toy_llama, eval_fraction=0.25)
+    train_ds, val_ds, _ = build_data(cfg, torch.device("cpu"))
+    want_train, want_held = split_files(12, 0.25, cfg.shared.seed)
+    assert [train_ds.file_index(i) for i in range(len(train_ds))] == want_train.tolist()
+    assert [val_ds.file_index(i) for i in range(len(val_ds))] == want_held.tolist()
+    assert val_ds.approx_lengths == [len(r.input_ids) for k, r in enumerate(make_rows(12, seed=12))
+                                     if k in set(want_held.tolist())]
+
+    argv = _door(tmp_path, toy_llama, "--eval-fraction", "0.25")
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "1"]) == 0
+    dd = DataDir(tmp_path)
+    run = json.loads(dd.train_run.read_text())
+    assert run["settings"][HELD_OUT_KEY] == "drawn with shared.seed"
+    del run["settings"][HELD_OUT_KEY]  # as a run started before issue 47 wrote it
+    dd.train_run.write_text(json.dumps(run))
+    capsys.readouterr()
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume", "--max-steps", "2"]) == 2
+    assert "held-out rows: 'the last rows' then, 'drawn with shared.seed' now" in capsys.readouterr().err
