@@ -60,6 +60,7 @@ from .records import (
 from .records_checkpoints import (
     SkippedSample,
     TrainingState,
+    check_train_checkpoint,
     list_train_checkpoints,
     load_skipped_samples,
     load_train_checkpoint,
@@ -456,7 +457,17 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         if not existing:
             log.warning("--resume: no checkpoint in %s, starting from scratch", dd.checkpoints)
             return None
-        return existing[-1]
+        for step, folder in reversed(existing):  # the newest whole one (a power cut can leave the last one short)
+            problem = check_train_checkpoint(folder)
+            if problem is None:
+                return step, folder
+            torn = folder.with_name(f"{folder.name}.torn")  # no longer listed, kept to be looked at
+            shutil.rmtree(torn, ignore_errors=True)
+            folder.rename(torn)
+            log.warning("--resume: %s is not whole (%s; a power cut before its data reached the disk?): moved to %s, "
+                        "trying the checkpoint before it", folder, problem, torn.name)
+        raise StageError(f"--resume: no whole checkpoint in {dd.checkpoints} (each is listed above with what it "
+                         "lacks): --overwrite starts over")
     if existing or dd.final_checkpoint.exists():
         if not cfg.train.overwrite:
             raise StageError(f"{dd.checkpoints} holds an earlier run: --resume to continue it, --overwrite to start "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from eagle3pipe.cli import run_stage
 from eagle3pipe.records import DataDir, read_jsonl
@@ -229,3 +230,59 @@ def test_held_out_rows_are_a_seeded_share_of_every_part_of_the_rows(tmp_path, to
     capsys.readouterr()
     assert run_stage("train", "04_train", run_train, None, argv + ["--resume", "--max-steps", "2"]) == 2
     assert "held-out rows: 'the last rows' then, 'drawn with shared.seed' now" in capsys.readouterr().err
+
+
+def test_checkpoints_reach_the_disk_before_their_name_and_resume_skips_a_torn_one(tmp_path, toy_llama, capsys,
+                                                                                 monkeypatch):
+    """Issue 47: checkpoints were renamed into place without an fsync of their files and folder, so after a power
+    cut a listed step_N could be empty and --resume failed on it. Every file and the temporary folder are fsynced
+    before the rename, checkpoints/ after it; a step_N whose files are empty or short (what such a cut leaves) is
+    moved aside by --resume, which says so and continues from the newest whole one, to the uninterrupted draft."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from eagle3pipe import records_checkpoints
+
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=13))
+    dd = DataDir(tmp_path)
+    synced, renamed = [], []  # every fsync'd path, and each rename with the fsyncs before it
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(records_checkpoints.os, "fsync",
+                        lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    monkeypatch.setattr(records_checkpoints.os, "replace",
+                        lambda a, b: (renamed.append((str(a), str(b), len(synced))), real_replace(a, b))[1])
+    argv = _door(tmp_path, toy_llama, "--log-every", "1")  # 2 epochs of 2 steps (12 rows): 3 steps end in the 2nd
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "3"]) == 0
+    monkeypatch.undo()
+    renamed = [r for r in renamed if Path(r[1]).name.startswith("step_")]  # (os is every module's: locks too)
+    assert {Path(b).name for _, b, _ in renamed} == {"step_1", "step_2", "step_3"}
+    for tmp, final, synced_before in renamed:
+        files = {Path(x).name for x in synced[:synced_before] if Path(x).parent == Path(tmp)}
+        assert files == set(records_checkpoints.CKPT_FILES), files  # each file on disk before the rename
+        assert tmp in synced[:synced_before]  # the folder's entries too
+        assert str(Path(final).parent) in synced[synced_before:]  # and checkpoints/ after it
+    whole = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+
+    # a cut that left step_3's optimizer state short and its model file empty
+    optimizer = dd.checkpoint_step(3) / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    assert "optimizer.safetensors holds" in records_checkpoints.check_train_checkpoint(dd.checkpoint_step(3))
+    (dd.checkpoint_step(3) / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "3", "--resume"]) == 0
+    log = dd.log_file("04_train").read_text()
+    assert f"--resume: {dd.checkpoint_step(3)} is not whole (model.safetensors holds 0 bytes" in log
+    assert f"resuming from {dd.checkpoint_step(2)}" in log
+    assert (dd.checkpoints / "step_3.torn").is_dir() and [s for s, _ in list_train_checkpoints(dd.checkpoints)] == \
+        [1, 2, 3]
+    assert [r["loss"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == [r["loss"] for r in steps]
+    again = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    assert all(torch_equal(whole[k], again[k]) for k in whole)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
