@@ -108,7 +108,8 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
 def build_online_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, held-out dataset or None, manifest) as ``train.build_data`` returns them, over the rows
     dataset of every input row split as offline (``train_batches.split_files``: a share of eval_fraction drawn with
-    shared.seed is held out); each dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
+    shared.seed is held out); each dataset's files are read from the spool folder of the row being packed
+    (``OnlineBatches``)."""
     from .extract import read_rows
     from .verifier import load_text_config
 

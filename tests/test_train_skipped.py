@@ -164,7 +164,8 @@ def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_
         reasons = {i: r for i, _, r in by_epoch[e]}
         assert reasons[short].startswith(f"hidden states for {tokens - SHORT_BY} tokens, token_ids hold {tokens}")
         assert reasons[a].startswith(mismatch) and reasons[b].startswith(mismatch)
-        assert reasons[held].startswith(f"hidden states for {held_tokens - SHORT_BY} tokens, token_ids hold {held_tokens}")
+        assert reasons[held].startswith(f"hidden states for {held_tokens - SHORT_BY} tokens, token_ids hold "
+                                        f"{held_tokens}")
     files = {s.index: s.file for s in listed}
     assert files[short] == str(dd.hs_file(short)) and files[held] == str(dd.hs_file(held))
     metrics = list(read_jsonl(dd.train_metrics))
