@@ -2,7 +2,8 @@
 training goes, on a bounded spool instead of a finished hidden_states/.
 
 The rows are stage 02's (``extract.read_rows``: synthetic/ or prepared/, a partial 01b output refused); they are
-written once as the rows dataset hidden_states/ would hold (``DataDir.train_spool_rows``, row i = input line i), so
+written once as the rows dataset hidden_states/ would hold (``DataDir.train_spool_rows``, row i = input line i; kept
+for a --resume or a later run over the same rows: ``records.ensure_hs_rows``), so
 speculators' reader, its packing and our collate are the offline ones: online and offline train the same packed
 rows in the same order. The states come from the servers stage 02 starts (``extract.server_args``) or runs
 (``--extract-url``) through stage 02's own client: ``extract_vllm.Extractor.one`` (the request naming the file, the
@@ -64,10 +65,11 @@ from .records import (
     HiddenStatesManifest,
     JsonlAppender,
     RowSelection,
+    ensure_hs_rows,
     hs_bytes_estimate,
+    hs_rows_identity,
     read_jsonl,
     repair_jsonl,
-    save_hs_rows,
     tmp_path_for,
     write_jsonl_atomic,
 )
@@ -76,10 +78,10 @@ from .train_batches import (
     SourceStopped,
     check_lengths_fit,
     datasets_without_video,
-    split_files,
     PackedRows,
     make_collate,
     packed_batches,
+    split_files,
     states_reader,
     train_dtype,
 )
@@ -125,9 +127,11 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:  # one copy for every rank
-        dd.train_spool_rows.mkdir(parents=True, exist_ok=True)
-        save_hs_rows(dd.train_spool_rows, ((r.input_ids, r.loss_mask) for r in rows))  # streamed from the index
+    if not distributed or dist.get_rank() == 0:  # one copy for every rank, written once for these rows
+        written = ensure_hs_rows(dd.train_spool_rows, hs_rows_identity(src, rows),
+                                 lambda: ((r.input_ids, r.loss_mask) for r in rows))  # streamed from the index
+        log.info("online: rows dataset %s %s", dd.train_spool_rows,
+                 "written" if written else "kept: written before from these rows")
     if distributed:
         dist.barrier()
     train_files, held_files = split_files(len(rows), cfg.train.eval_fraction, cfg.shared.seed)
