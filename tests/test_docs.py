@@ -40,9 +40,7 @@ EXTERNAL_FLAGS = {
                           "--log-freq", "--logger", "--no-resume-from-checkpoint", "--from-pretrained", "--save-best",
                           "--save-path", "--block-size", "--max-anchors", "--mask-token-id", "--dflash-decay-gamma",
                           "--endpoint", "--concurrency", "--max-tokens", "--temperature", "--limit"},
-    "SpecForge": {"--target-model-path", "--train-data-path", "--train-hidden-states-path", "--max-length",
-                  "--num-epochs", "--learning-rate", "--ttt-length", "--batch-size", "--resume", "--output-dir",
-                  "--tp-size"},
+    "specforge train": {"--config"},  # the rest is its YAML's keys (docs/naming.md), no flags
     "pytest": {"--durations"},
     "tensorboard": {"--logdir"},
 }
@@ -176,9 +174,9 @@ def test_every_flag_mentioned_exists(our_flags):
 def test_external_flags_are_not_ours(our_flags):
     """A flag listed as another tool's must not hide a misspelt flag of ours: the lists stay the other tools'."""
     ours = set().union(*our_flags.values())
-    for tool in ("torchrun", "SpecForge"):
+    for tool in ("torchrun", "specforge train"):
         clash = EXTERNAL_FLAGS[tool] & ours - {"--resume", "--learning-rate", "--concurrency", "--temperature",
-                                               "--epochs", "--max-steps",
+                                               "--epochs", "--max-steps", "--config",
                                                "--nproc-per-node"}  # ours too (train.nproc_per_node)
         assert not clash, (tool, clash)
 
@@ -450,3 +448,31 @@ def test_every_config_key_a_page_or_a_help_names_exists(helps):
                   if m.group(2) not in fields[m.group(1)] | FILE_SUFFIXES})
     assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
     assert key.search("reads the subset train.aux_layer_ids names").group(2) not in fields["train"]  # would be caught
+
+
+def test_what_the_pages_say_of_vllm_versions_and_the_k25_serve_command_holds():
+    """Issue 47: install.md called 0.32/0.33 the proven versions, "others refused", while the connector accepts 0.26
+    to 0.33 (vllm_internals.SUPPORTED_VLLM_MINORS) and only 0.26.0 ran on a GPU; the serve commands for K2.5 left out
+    --tensor-parallel-size 8 and --trust-remote-code; one published draft had two local paths. Every range of
+    accepted vLLM versions a page or setup_env.sh states is the connector's; no page calls 0.33 or the --gpu install
+    proven on a GPU; every `vllm serve` of the K2.5 folder names both flags; one local path per published draft."""
+    from eagle3pipe.vllm_internals import SUPPORTED_VLLM_MINORS
+
+    (_, lo), (_, hi) = SUPPORTED_VLLM_MINORS[0], SUPPORTED_VLLM_MINORS[-1]
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOCS}
+    texts["scripts/setup_env.sh"] = (ROOT / "scripts/setup_env.sh").read_text()
+    ranges = {(name, m.group(0)) for name, text in texts.items()
+              for m in re.finditer(r"0\.(\d\d)(?:\.x)? ?(?:to|-) ?0\.(\d\d)(?:\.x)?(?=[\s):;,.]|$)", text)
+              if re.search(r"accepts|refuses other|connector", text[max(0, m.start() - 120):m.end() + 60])}
+    assert ranges, "no page states the accepted range"
+    assert "README.md" in {name for name, _ in ranges}
+    assert all(re.fullmatch(rf"0\.{lo}(\.x)? ?(to|-) ?0\.{hi}(\.x)?", r) for _, r in ranges), ranges
+    for name, text in texts.items():
+        assert not re.search(r"(0\.3[23]|--gpu)[^.\n]{0,60}\bproven\b", text), name
+    serves = [(name, line) for name, text in texts.items() for line in text.replace("\\\n", " ").splitlines()
+              if re.search(r"vllm serve /models/Kimi-K2\.5\b", line) and "--speculative-config" in line
+              and "extract_hidden_states" not in line]
+    assert serves and all("--tensor-parallel-size 8" in line and "--trust-remote-code" in line
+                          for _, line in serves), serves
+    paths = {m for text in texts.values() for m in re.findall(r"/models/[\w.-]*eagle3[\w.-]*", text)}
+    assert paths == {"/models/Kimi-K2-Instruct-eagle3"}, paths
