@@ -36,7 +36,7 @@ table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acce
 reports say what was measured on (``platform``: vLLM version from each server's ``/version``, device, tensor
 parallel), where each draft came from (``draft_provenance``: 04's provenance.json beside or inside its folder:
 steps, rows, the training run's config hash) and, for the named benchmarks, the anchors' published acceptance
-lengths with their settings (``ANCHORS``, from shared/REFERENCE.md) beside ours.
+lengths with their source and settings (``anchors.ANCHORS``, the one table the pages quote too) beside ours.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from pathlib import Path
 
 from .acceptance import per_request_delta, pooled_figures, spec_decode_delta
 from . import draft_dflash
+from .anchors import ANCHORS
 from .cli import StageError
 from .config import PipelineConfig
 from .draft import FLAT_ARCHITECTURES, flat_tensor_shapes
@@ -72,36 +73,19 @@ EXPORTED_DRAFT = "draft"  # report column of the exported draft (--draft); basel
 VERIFIER_ALONE = "verifier alone"  # report column of the server without a draft
 
 
-# Published acceptance lengths of public K2/K2.5 drafts (shared/REFERENCE.md, "Anchor figures"): SGLang's "steps 3,
-# topk 1, num_draft_tokens 4" = k 3 draft tokens, acceptance length with the bonus token, as ours.
-ANCHORS = [
-    {"draft": "lightseekorg/kimi-k2.5-eagle3", "target": "Kimi-K2.5",
-     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), TorchSpec-trained on K2.5-regenerated data",
-     "acceptance_length": {"mtbench": 2.69, "gsm8k": 3.20, "humaneval": 3.29, "math500": 3.34}},
-    {"draft": "AQ-MedAI/Kimi-K2-Instruct-eagle3", "target": "Kimi-K2 (not K2.5)",
-     "settings": "k = 3 (steps 3, topk 1, 4 draft tokens), SGLang",
-     "acceptance_length": {"mtbench": 2.39, "gsm8k": 3.27, "humaneval": 3.36, "math500": 3.47}},
-    # issue 31: a DFlash draft (docs/stages/05_evaluate.md); shown only beside a draft measured at its own k
-    {"draft": "z-lab/Kimi-K2.5-DFlash", "target": "Kimi-K2.5", "k": 7,
-     "settings": "DFlash block 8 = k 7, thinking on, greedy, 2048 new tokens, concurrency 1, SGLang",
-     "acceptance_length": {"mtbench": 3.7, "gsm8k": 5.3, "humaneval": 5.3, "math500": 5.5}},
-]
-ANCHOR_K = 3  # the EAGLE-3 anchors' k; an entry with its own "k" is a DFlash draft's
-
-
 def anchor_figures(set_names: list[str], k: int, draft_ks: set[int] = frozenset()) -> list[dict]:
     """The anchors' published figures for the sets measured that they report (by known benchmark name), each with
     its settings; a note when our k (the exported draft's) is not theirs (then the figures do not compare). A
     DFlash anchor (its own "k") is listed only when some draft (``draft_ks``, with ``k``) ran at its k."""
     out = []
     for anchor in ANCHORS:
-        theirs = anchor.get("k", ANCHOR_K)
-        if "k" in anchor and theirs not in {k, *draft_ks}:
+        theirs = anchor.k
+        if theirs != 3 and theirs not in {k, *draft_ks}:  # a DFlash draft's figures: beside one at its k only
             continue
-        figures = {name: anchor["acceptance_length"][name] for name in set_names if name in anchor["acceptance_length"]}
+        figures = {name: anchor.acceptance_length[name] for name in set_names if name in anchor.acceptance_length}
         if figures:
-            out.append({**{key: anchor[key] for key in ("draft", "target", "settings")}, "acceptance_length": figures,
-                        "num_speculative_tokens": theirs,
+            out.append({"draft": anchor.draft, "target": anchor.target, "settings": anchor.settings,
+                        "source": anchor.source, "acceptance_length": figures, "num_speculative_tokens": theirs,
                         "note": "" if k == theirs else f"measured at k = {theirs}, ours at k = {k}: not comparable"})
     return out
 

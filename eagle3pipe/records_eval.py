@@ -25,7 +25,7 @@ from .records import FORMAT_VERSION, DataDir, FormatError, atomic_write_bytes, a
 #                      with_draft / without_draft: the exported draft / the verifier alone over every set,
 #                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
 #                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
-#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}]}
+#                      anchors: [{draft, target, settings, source, acceptance_length: {set: x}, note}]}
 #   eval/report.md     one table per measure: rows = sets, columns = drafts
 #   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
@@ -98,6 +98,7 @@ def eval_markdown_table(report: dict) -> str:
             lines.append("| " + s + " | " + " | ".join(fmt(acc[c][s]["acceptance_length"], ".3f") for c in drafts)
                          + " | " + " | ".join(fmt(a["acceptance_length"].get(s), ".2f") for a in anchors) + " |")
         lines += [""] + [f"- {a['draft']}: target {a['target']}; {a['settings']}"
+                         + (f"; from {a['source']}" if a.get("source") else "")
                          + (f"; {a['note']}" if a.get("note") else "") for a in anchors] + [""]
     lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
                    lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")

@@ -476,3 +476,22 @@ def test_what_the_pages_say_of_vllm_versions_and_the_k25_serve_command_holds():
                           for _, line in serves), serves
     paths = {m for text in texts.values() for m in re.findall(r"/models/[\w.-]*eagle3[\w.-]*", text)}
     assert paths == {"/models/Kimi-K2-Instruct-eagle3"}, paths
+
+
+def test_the_anchor_figures_on_05_s_page_are_the_report_s_table():
+    """Issue 47: 05's report printed AQ-MedAI figures from a file outside the repository that its own page said
+    differ from the model card. The page's table of published figures is eagle3pipe/anchors.py's, row by row (the
+    report's source: test_evaluate.py), each anchor with a source and settings."""
+    from eagle3pipe.anchors import ANCHORS
+
+    page = (ROOT / "docs/stages/05_evaluate.md").read_text()
+    sets = ("mtbench", "gsm8k", "humaneval", "math500")
+    rows = {}
+    for line in page.splitlines():
+        m = re.match(r"^\| \[([\w./-]+)\]\(https://huggingface\.co/\1\)", line)
+        if m:
+            cells = [c.strip() for c in line.split("|")[2:7]]  # k, then the four sets
+            rows[m.group(1)] = (int(cells[0]), {s: float(v) for s, v in zip(sets, cells[1:]) if v})
+    assert rows == {a.draft: (a.k, a.acceptance_length) for a in ANCHORS}
+    assert all(a.source.startswith("its model card") and a.settings for a in ANCHORS)
+    assert "2.39" not in page and "3.27 " not in page  # the other source's AQ-MedAI row is gone from the page

@@ -575,9 +575,13 @@ def test_draft_provenance_and_the_anchors_figures(tmp_path):
     assert draft_provenance(checkpoints / "a_copy") is None  # checkpoints/provenance.json is final/'s alone
     assert draft_provenance(tmp_path) is None and draft_provenance(None) is None
     anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
+    # issue 47: the figures of eagle3pipe/anchors.py, the one table the page quotes too, each with its source (the
+    # AQ-MedAI figures are its model card's, which has no MT-Bench; the report printed another source's before)
     assert [(a["draft"], a["acceptance_length"]) for a in anchors] == [
-        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.20, "mtbench": 2.69}),
-        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.27, "mtbench": 2.39})]
-    assert all("k = 3" in a["settings"] and not a["note"] for a in anchors)
+        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.201, "mtbench": 2.687}),
+        ("lightseekorg/kimi-k2.5-eagle3-mla", {"gsm8k": 3.017, "mtbench": 2.940}),
+        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.165})]
+    assert all("k = 3" in a["settings"] and not a["note"] and "model card" in a["source"] for a in anchors)
+    assert [a["draft"] for a in anchor_figures(["gsm8k"], 7)][-1] == "z-lab/Kimi-K2.5-DFlash"  # DFlash at its k
     assert "not comparable" in anchor_figures(["math500"], 5)[0]["note"]
     assert anchor_figures(["held_out"], 3) == []
