@@ -140,6 +140,24 @@ def visible_gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def server_tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
+    """The tensor-parallel size each server started here asks for."""
+    out = {}
+    for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
+                                                                            cfg.extract.server_args)):
+        words = list(args)  # config.py keeps server_args as a list of vLLM's words
+        for i, w in enumerate(words):
+            if w in ("--tensor-parallel-size", "-tp") and i + 1 < len(words):
+                out[key] = int(words[i + 1])
+            elif w.startswith("--tensor-parallel-size="):
+                out[key] = int(w.split("=", 1)[1])
+    if cfg.evaluate.tensor_parallel_size:
+        out["evaluate.tensor_parallel_size"] = cfg.evaluate.tensor_parallel_size
+    if cfg.train.nproc_per_node > 1:
+        out["train.nproc_per_node"] = cfg.train.nproc_per_node
+    return out
+
+
 def train_processes(cfg: PipelineConfig) -> tuple[int, str]:
     """(the processes 04 will train on, where that number comes from): train.nproc_per_node, else every visible GPU
     (run_all.train_processes' rule, without importing torch). Where no GPU is visible (a login node) for a config
@@ -153,8 +171,6 @@ def train_processes(cfg: PipelineConfig) -> tuple[int, str]:
     visible = visible_gpu_count()
     if visible:
         return visible, "every GPU visible here"
-    from .doctor import server_tp_sizes
-
     sizes = {k: v for k, v in server_tp_sizes(cfg).items() if v > 1}
     if sizes:
         key = max(sizes, key=sizes.get)

@@ -169,25 +169,8 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
     return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
 
 
-def server_tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
-    """The tensor-parallel size each server started here asks for."""
-    out = {}
-    for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
-                                                                            cfg.extract.server_args)):
-        words = list(args)  # config.py keeps server_args as a list of vLLM's words
-        for i, w in enumerate(words):
-            if w in ("--tensor-parallel-size", "-tp") and i + 1 < len(words):
-                out[key] = int(words[i + 1])
-            elif w.startswith("--tensor-parallel-size="):
-                out[key] = int(w.split("=", 1)[1])
-    if cfg.evaluate.tensor_parallel_size:
-        out["evaluate.tensor_parallel_size"] = cfg.evaluate.tensor_parallel_size
-    if cfg.train.nproc_per_node > 1:
-        out["train.nproc_per_node"] = cfg.train.nproc_per_node
-    return out
-
-
 def check_gpus(cfg: PipelineConfig) -> tuple[Check, int]:
+    from .costs import server_tp_sizes
     from .server import query_nvidia_smi
 
     needed = server_tp_sizes(cfg)

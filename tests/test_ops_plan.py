@@ -110,7 +110,7 @@ def test_run_all_stops_before_01b_when_the_run_will_not_fit_on_the_disk(tmp_path
     # a checkpoint of 10^6 GB every step: no disk holds the run
     cfg_path = write_config(tmp_path, toy_llama, plan={"checkpoint_gb": 1e6}, train={"checkpoint_every": 1})
     dd = DataDir(tmp_path / "data")
-    args = [str(REPO / "run_all.sh"), "--config", str(cfg_path), "--vllm-url", "http://127.0.0.1:9"]
+    args = [str(REPO / "run_all.sh"), "--config", str(cfg_path), "--vllm-url", "http://127.0.0.1:9", "--to", "04"]
     res = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "01_prepare: finished" in res.stderr  # 01 ran: the plan counts its questions
