@@ -246,10 +246,14 @@ def draft_size(cfg: PipelineConfig) -> DraftSize:
         with torch.device("meta"), _without_verifier_weights(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "copying from a non-meta parameter ... is a no-op": as intended
             model, _ = family.new_model(d2t, t2d, "sdpa")
-    except (OSError, ValueError, StageError) as e:  # StageError: verifier.VerifierLoadError (no config.json)
+    except (OSError, StageError) as e:  # StageError: verifier.VerifierLoadError (no config.json)
         raise ConfigError(f"the {cfg.train.draft} draft cannot be sized without the verifier's config.json "
                           f"({s.verifier}/config.json: {str(e).strip().splitlines()[0][:300]}): copy it there, or "
                           "set plan.checkpoint_gb") from None
+    except ValueError as e:  # the model 04 would build refuses this config (e.g. aux layers the verifier lacks)
+        raise ConfigError(f"the {cfg.train.draft} draft 04 would build from this config is refused ("
+                          f"{str(e).strip().splitlines()[0][:300]}): fix the config, or set plan.checkpoint_gb") \
+            from None
     logging.getLogger("eagle3pipe.train").disabled, was = True, logging.getLogger("eagle3pipe.train").disabled
     try:
         set_lm_head_training(model, cfg)  # the trainer's own rule for which tensors AdamW updates

@@ -98,9 +98,11 @@ def test_lock_held_from_another_host_is_never_taken_over(tmp_path):
 
 
 def _run_all_config(tmp_path: Path, verifier: Path, meta: dict) -> Path:
+    # the toy's own dims (issue 47: run_all's disk check sizes the draft 04 would build from them)
     cfg = {"shared": {"data_dir": str(tmp_path / "data"), "verifier": str(verifier),
                       "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
-                      "progress_every_s": 0.5},
+                      "progress_every_s": 0.5, "aux_layer_ids": meta["aux_layer_ids"],
+                      "hidden_size": meta["hidden_size"], "vocab_size": meta["vocab_size"], "draft_vocab_size": 256},
            "generate": {"served_model_name": "stub", "min_completion_tokens": 1, "concurrency": 1}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
