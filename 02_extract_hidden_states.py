@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Stage 02: extract the verifier's aux-layer hidden states for every training row (speculators' training layout).
 
 Usage:

@@ -3,7 +3,7 @@
 
 Usage:
     python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml
-    python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
+    python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml --finetune-from /models/Kimi-K2-Instruct-eagle3
     python 03_build_vocab_mapping.py --config configs/kimi_k25.yaml --finetune-from DIR --rebuild
     python 03_build_vocab_mapping.py --config configs/kimi_k25_dflash.yaml    # + the DFlash mask token ([UNK])
 

@@ -7,7 +7,7 @@ Usage:
     torchrun --standalone --nproc-per-node 8 04_train.py --config configs/kimi_k25.yaml   # DDP, one GPU a rank
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id draft \\
         04_train.py --config configs/kimi_k25.yaml                                         # on every node
-    python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/AQ-MedAI-K2-eagle3
+    python 04_train.py --config configs/kimi_k25.yaml --finetune-from /models/Kimi-K2-Instruct-eagle3
     python 04_train.py --config configs/kimi_k25.yaml --resume          # after a crash or kill
     python 04_train.py --config configs/kimi_k25.yaml --export-from step_2000   # serve a checkpoint mid-run (05)
     python 04_train.py --config configs/demo.yaml                       # toy verifier, CPU

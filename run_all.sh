@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Run the pipeline's stages in order: 01 prepare -> 01b generate (only with a vLLM URL) -> 02 extract -> 03 vocab
-# -> 04 train -> 05 evaluate.
+# Run the pipeline's stages in order: 01 prepare -> 01b generate (with a vLLM URL, or generate.server_args: then 01b
+# starts its own server, as configs/kimi_k25.yaml does) -> 02 extract -> 03 vocab -> 04 train -> 05 evaluate.
 #
 # Usage:
 #   ./run_all.sh --config configs/kimi_k25.yaml [--vllm-url http://host:8000] [--from 02_extract | --only 04_train]
 #                [--to 04_train] [--force] [--allow-human-answers]
 #   nohup ./run_all.sh --config configs/kimi_k25.yaml > run_all.out 2>&1 &   tail -f run_all.out
-#   ./run_all.sh --config FILE --check | --plan | --status    (run nothing: check this node / cost the run / show
-#                                                              each stage's state, progress, ETA and drops)
-#   ./run_all.sh --config FILE --print-recipe two-node [--nodes HOST0,HOST1]
-#                (run nothing: print the exact per-node commands of a two-node run for this config: which node
-#                 serves the verifier for 01b and 02, which trains, the shared data dir; docs/two-node.md)
+#   ./run_all.sh --config FILE --check | --plan | --status [--drops | --json]
+#                (run nothing: check this node / cost the run / show each stage's state, progress, ETA and drops;
+#                 --drops also lists every dropped sample, --json prints the status as JSON)
+#   ./run_all.sh --config FILE --print-recipe two-node [--nodes HOST0,HOST1] [--verifier-config config.json]
+#                (run nothing: print the exact per-node commands of a two-node run for this config, each in the
+#                 environment that runs it: which node serves the verifier for 01b and 02, which trains, the shared
+#                 data dir; docs/two-node.md. --verifier-config: a copy of the verifier's config.json, on a node
+#                 without the model folder)
 #
 # Each stage logs to <data_dir>/logs/<stage>.log (the stage's own log) and to the terminal; the whole run's output,
 # tracebacks included, is appended to <data_dir>/logs/run_all.log. A stage that exited 0 leaves a marker
@@ -19,9 +22,10 @@
 # error, its log and the command that resumes (also printed at the start, for a run that is killed or loses its
 # node): run again, it continues where the run stopped, 04 from its newest checkpoint (--resume, given when this
 # run_all started 04 with the same config and 04 did not finish). Stopping run_all (kill PID, Ctrl-C) stops the
-# running stage cleanly and waits for it (a second signal kills it). Without a vLLM URL, 01b is skipped and 02-04
-# read synthetic/ when an earlier 01b finished it, else prepared/ (with thinking on, only with
-# --allow-human-answers). Stage names:
+# running stage cleanly and waits for it (a second signal kills it). Without a vLLM URL or generate.server_args,
+# 01b is skipped and 02-04 read synthetic/ when an earlier 01b finished it, else prepared/ (with thinking on, only
+# with --allow-human-answers). Before the first stage starts, every stage this run will run checks its config
+# settings (a refusal by 05 stops the run before 01, not after 04). Stage names:
 # 01_prepare 01b_generate 02_extract 03_vocab 04_train 05_evaluate (a number alone works: 02).
 # Stage 04 runs under torchrun on train.nproc_per_node processes of this node when that is more than 1 (0, the
 # default, means every GPU torch sees; 1 on CPU); several nodes: --print-recipe two-node. Before the first stage after
@@ -38,7 +42,8 @@ main() {
   REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
   PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
   RESUME_CMD="$(printf '%q ' "$0" "$@")"  # the command as typed: rerunning it resumes
-  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE="" RECIPE="" NODES=""
+  CONFIG="" FROM="" ONLY="" TO="" FORCE=0 ALLOW_HUMAN=0 MODE="" RECIPE="" NODES="" VERIFIER_CONFIG=""
+  STATUS_ARGS=()
   VLLM_URLS=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -50,13 +55,18 @@ main() {
       --force) FORCE=1; shift ;;
       --allow-human-answers) ALLOW_HUMAN=1; shift ;;
       --check|--plan|--status) MODE="${1#--}"; shift ;;
+      --drops|--json) STATUS_ARGS+=("$1"); shift ;;  # --status's
       --print-recipe) MODE=recipe; RECIPE="${2:-}"; shift; [ $# -gt 0 ] && shift ;;
       --nodes) NODES="${2:-}"; shift; [ $# -gt 0 ] && shift ;;
+      --verifier-config) VERIFIER_CONFIG="${2:-}"; shift; [ $# -gt 0 ] && shift ;;
       -h|--help) usage; exit 0 ;;
       *) echo "run_all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
   done
   [ -n "$CONFIG" ] || { echo "run_all.sh: --config FILE is required (see --help)" >&2; exit 2; }
+  if [ ${#STATUS_ARGS[@]} -gt 0 ] && [ "$MODE" != status ]; then
+    echo "run_all.sh: ${STATUS_ARGS[*]} go with --status (see --help)" >&2; exit 2
+  fi
   [ -f "$CONFIG" ] || { echo "run_all.sh: config file not found: $CONFIG" >&2; exit 2; }
   CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
   cd "$REPO" || exit 2
@@ -65,8 +75,9 @@ main() {
   case "$MODE" in  # report and exit: nothing runs
     check) exec "$PYTHON" -m eagle3pipe.doctor --config "$CONFIG" "${URL_ARGS[@]}" ;;
     plan) exec "$PYTHON" -m eagle3pipe.costs --config "$CONFIG" "${URL_ARGS[@]}" ;;
-    status) exec "$PYTHON" -m eagle3pipe.status --config "$CONFIG" ;;
-    recipe) exec "$PYTHON" -m eagle3pipe.recipe "$RECIPE" --config "$CONFIG" ${NODES:+--nodes "$NODES"} ;;
+    status) exec "$PYTHON" -m eagle3pipe.status --config "$CONFIG" "${STATUS_ARGS[@]}" ;;
+    recipe) exec "$PYTHON" -m eagle3pipe.recipe "$RECIPE" --config "$CONFIG" ${NODES:+--nodes "$NODES"} \
+                 ${VERIFIER_CONFIG:+--verifier-config "$VERIFIER_CONFIG"} ;;
   esac
 
   PLAN_ARGS=(plan --config "$CONFIG")
@@ -89,6 +100,18 @@ main() {
       echo "run_all.sh: no stage '$want' in this run (stages: $(cut -f1 <<< "$PLAN" | tr '\n' ' '))" >&2; exit 2
     fi
   done
+
+  # Every stage this run will run (--from, --only, --to) checks its settings now, as its door would: a setting 05
+  # refuses must not wait for the hours of 01b to 04
+  SELECTED=() ; picked=0 ; [ -z "$FROM" ] && picked=1
+  while IFS=$'\t' read -r name _; do
+    matches "$name" "$FROM" && picked=1
+    if [ -n "$ONLY" ]; then matches "$name" "$ONLY" && SELECTED+=("$name"); continue; fi
+    [ $picked -eq 1 ] && SELECTED+=("$name")
+    matches "$name" "$TO" && break
+  done <<< "$PLAN"
+  "$PYTHON" -m eagle3pipe.run_all check --config "$(head -n 1 <<< "$PLAN" | cut -f7)" "${URL_ARGS[@]}" \
+    --stages "${SELECTED[@]}" || exit 2
 
   # A signal to run_all goes to the running stage as SIGTERM (the stage flushes its files and releases its lock);
   # run_all then waits for it. A second signal kills the stage. The stage runs in the background so that these

@@ -47,6 +47,8 @@ Usage:
     .venv/bin/python bench/bench_scale.py --sizes 10000 100000 1000000 --stages 01 01b 03 02 04 04on --json out.json
     .venv/bin/python bench/bench_scale.py --sizes 10000 --stages 04 --steady-steps 100   # a longer steady state
     .venv/bin/python bench/bench_scale.py --repo /path/to/another/checkout ...   # another version, same inputs
+    .venv/bin/python bench/bench_scale.py --stages 04on --sizes 2500 10000 --row-tokens 2048 --again   # long rows,
+                                                          # and a second run over the same rows (the rows dataset kept)
 """
 
 from __future__ import annotations
@@ -109,13 +111,14 @@ def make_01b_resume(folder: Path, n: int) -> None:
                         "source": "bench"})
 
 
-def make_rows(folder: Path, n: int) -> None:
+def make_rows(folder: Path, n: int, row_tokens: int = 0) -> None:
+    """``row_tokens``: rows of that many tokens and up to 96 more (04on's --row-tokens), else 8-16."""
     sys.path.insert(0, str(REPO))
     from eagle3pipe.records import DataDir, IndexedJsonlWriter
 
     with IndexedJsonlWriter(DataDir(folder).prepared_data, "rows", new=True) as out:
         for i in range(n):
-            length = 8 + i % 9
+            length = row_tokens + i % 97 if row_tokens else 8 + i % 9
             out.write({"id": f"{i:016x}", "input_ids": [(i * 7 + k * 13) % 1000 for k in range(length)],
                        "loss_mask": [0] * 3 + [1] * (length - 3), "source": "bench"})
         out.commit()
@@ -366,9 +369,11 @@ def run_04on(toy: Path, work: Path, n: int, args) -> dict:
     from eagle3pipe.vocab import run_vocab
 
     # no capture check: its request comes before the run's plan is made, the first row's after
-    sections = {"extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
+    row_len = 1 << (args.row_tokens + 96).bit_length() if args.row_tokens else 256  # a packed row holds the longest
+    sections = {"shared": {"max_seq_len": row_len},
+                "extract": {"input": "prepared", "backend": "vllm", "extract_url": [args.stub_url],
                             "model_dtype": "bfloat16", "verify_tokens": 0},
-                "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": 256,
+                "train": {"data_source": "online", "epochs": 2, "device": "cpu", "total_seq_len": row_len,
                           "num_workers": 0, "eval_fraction": 0.0, "cpu_threads": 1}}
     run_vocab(_config(toy, work / "run", **json.loads(json.dumps(sections))))  # 03's output (flat), not timed
     cfg = _config(toy, work / "run", **sections)
@@ -655,6 +660,11 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=30, help="04 / 04on: optimizer steps measured after the "
                                                                  "first (all when the run has fewer)")
     ap.add_argument("--tokens-per-row", type=float, default=1e4, help="for the projection to 1e9 / 6e9 tokens")
+    ap.add_argument("--row-tokens", type=int, default=0, help="04on: rows of this many tokens (+0-96) instead of "
+                                                              "8-16 (the rows dataset's cost grows with the tokens)")
+    ap.add_argument("--again", action="store_true", help="04on: run it a second time on the first run's data dir "
+                                                         "(a --resume or later run over the same rows) and report "
+                                                         "its first request too")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--stub", help=argparse.SUPPRESS)
@@ -691,12 +701,14 @@ def main() -> None:
             for name in args.stages:
                 stage = STAGES[name]
                 long_rows = f"_w{args.answer_words}" if name == "01" and args.answer_words else ""
+                long_rows += f"_t{args.row_tokens}" if name == "04on" and args.row_tokens else ""
                 folder = work / f"{name}_{n}{long_rows}"
                 template = folder / "template"
                 if not (folder / "template.done").exists():
                     shutil.rmtree(folder, ignore_errors=True)
                     stage.make(template, n, **({"toy": toy} if name == "04" else {}),
-                               **({"answer_words": args.answer_words} if name == "01" else {}))
+                               **({"answer_words": args.answer_words} if name == "01" else {}),
+                               **({"row_tokens": args.row_tokens} if name == "04on" else {}))
                     (folder / "template.done").write_text("")
                 run_dir = folder / "run"
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -707,7 +719,7 @@ def main() -> None:
                         (folder / "input").symlink_to(template)
                 argv = [sys.executable, __file__, "--child", name, "--size", str(n), "--work", str(folder),
                         "--toy", str(toy), "--repo", args.repo, "--num-proc", str(args.num_proc),
-                        "--steady-steps", str(args.steady_steps)]
+                        "--steady-steps", str(args.steady_steps), "--row-tokens", str(args.row_tokens)]
                 if args.stub_url:
                     argv += ["--stub-url", args.stub_url]
                 out = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -716,6 +728,13 @@ def main() -> None:
                     print(out.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"stage {name} at {n} rows failed (exit {out.returncode})")
                 r = json.loads(line[len("RESULT "):])
+                if name == "04on" and args.again:  # the same data dir again: the rows dataset written before
+                    again = subprocess.run(argv, env=env, capture_output=True, text=True)
+                    line2 = next((x for x in again.stdout.splitlines() if x.startswith("RESULT ")), None)
+                    if again.returncode or line2 is None:
+                        print(again.stderr[-3000:], file=sys.stderr)
+                        raise SystemExit(f"stage {name} again at {n} rows failed (exit {again.returncode})")
+                    r["first_s_again"] = json.loads(line2[len("RESULT "):])["first_s"]
                 r["growth"] = max(0, r["rss_peak"] - r["rss_before"])
                 r["bytes_per_row"] = r["growth"] / n
                 r["first_s_per_1e6_rows"] = r["first_s"] / n * 1e6
@@ -731,7 +750,9 @@ def main() -> None:
                       f"file-backed +{fmt_bytes(r['file_growth'])}; workers {fmt_bytes(r['workers_peak'])}); first "
                       f"{stage.unit[:-1]} after {r['first_s']:.2f} s; steady {r['steady_s_per_1e5']:.1f} s per 1e5 "
                       f"{stage.unit}{per_step}; wall {r['wall_s']:.1f} s, CPU {r.get('cpu_s', 0):.1f} s (+ workers "
-                      f"{r.get('workers_cpu_s', 0):.1f} s); load {r['load']:.1f}", flush=True)
+                      f"{r.get('workers_cpu_s', 0):.1f} s); load {r['load']:.1f}"
+                      + (f"; run again on its data dir: first request after {r['first_s_again']:.2f} s"
+                         if "first_s_again" in r else ""), flush=True)
                 shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         if stub is not None:

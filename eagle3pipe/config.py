@@ -108,7 +108,7 @@ class SharedConfig:
     think_token_id: int = 163606  # id of <think>; cross-checked against the tokenizer at start
     response_token_id: int = 163607  # id of </think> (start of the visible response); cross-checked likewise
     aux_layer_ids: list[int] = field(default_factory=lambda: [2, 30, 58])  # vLLM convention: state entering layer k.
-    # What stage 02 captures (ascending, k >= 1); a draft reads these or the subset train.aux_layer_ids names (one
+    # What stage 02 captures (ascending, k >= 1); a draft reads these or the subset train.draft_layer_ids names (one
     # extraction of the union serves an EAGLE-3 and a DFlash draft)
     hidden_size: int = 7168  # verifier hidden size; cross-checked against the verifier config
     vocab_size: int = 163840  # verifier vocabulary size (lm_head rows)
@@ -171,7 +171,10 @@ class ExtractConfig:
     request_timeout_s: float = 600.0  # vllm: per-request client timeout, seconds
     max_retries: int = 3  # vllm: retries after a timeout, connection error, 5xx or a file that fails its check
     retry_backoff_s: float = 2.0  # vllm: wait before the first retry, seconds; doubled per retry
-    max_error_share: float = 0.0  # vllm: exit non-zero while more than this share of rows is left open by transient failures (a rerun retries them)
+    max_error_share: float = 0.0  # vllm: exit non-zero while more than this share of rows is left open by
+    # transient failures (a rerun retries them). 04: the share of an epoch's samples its read checks may skip. 04
+    # online: a sample no server answers for after every retry always stops 04 (a checkpoint; --resume), whatever
+    # this share
     verify_tokens: int = 2048  # vllm: tokens of the first samples whose next-token top-1 from the stored final state is checked against the server's prompt_logprobs before the bulk run; 0 = off
     verify_min_agreement: float = 0.99  # vllm: stop before the bulk run when that top-1 agreement is lower
     storage_dtype: str = "bf16"  # "bf16" (whatever model_dtype) or "fp8" (e4m3 values, one scale per token and state)
@@ -211,7 +214,8 @@ class TrainConfig:
     # K2.5 draft on one H200: peak 39.8 GiB at 8192, 80.7 GiB at 32768 (measured, docs/stages/04_train.md)
     ttt_steps: int = 3  # test-time-training unroll steps
     checkpoint_every: int = 500  # optimizer steps between checkpoints
-    eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation
+    eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation (drawn with shared.seed from
+    # the whole rows file, so rows ordered by source are judged on every source)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     resume: bool = False  # continue from the newest checkpoint in checkpoints/
     export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3; one file vLLM and SGLang both read right:
@@ -317,13 +321,13 @@ class PlanConfig:
     # recipe, same architecture and int4, 8 x H200 TP 8, peak output 2100 tok/s; its overloaded mean was 486)
     extract_tokens_per_s: float = 16000.0  # 02 and 04 online: tokens/s of one extraction server (projected, 8 x H200
     # TP 8: BENCHMARKS.md "Stage 02 on vLLM", 16-36 k tok/s, the low end)
-    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 draft,
-    # 32768-token rows, BENCHMARKS.md "Data parallel")
+    train_tokens_per_s: float = 27700.0  # 04: tokens/s of one training process (measured: one H200, K2.5 EAGLE-3
+    # draft, 32768-token rows, BENCHMARKS.md "Data parallel"; not measured for DFlash)
     train_scaling: float = 0.91  # 04: each process's share of that rate when several train (projected: 0.91-0.96 for
     # 8 GPUs of one node, BENCHMARKS.md "Data parallel", the low end)
     packing_fill: float = 0.927  # 04: share of a packed row's slots holding tokens (measured at 32768-token rows)
-    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed from the draft's dimensions (fp32 weights +
-    # AdamW moments: 12.46 GB for the K2.5 draft, as measured; draft dims left at 0 are read from the verifier)
+    checkpoint_gb: float = 0.0  # 04: one step_N checkpoint; 0 = computed on the model 04 builds (fp32 weights +
+    # AdamW moments: 12.46 GB for the K2.5 EAGLE-3 draft, as measured; 42.67 GB DFlash; needs the verifier config.json)
     evaluate_tokens_per_s: float = 80.0  # 05: generated tokens/s of one request (projected: Dynamo's K2.5 benchmark
     # shows ~105 tok/s per user on GB200 without a draft; an H200 is slower); a level of concurrency c runs c at once
     server_start_s: float = 1800.0  # each vLLM server a stage starts: loading K2.5's 547 GB (~0.5 h, BENCHMARKS.md)

@@ -18,9 +18,14 @@ The figures are simple products, shown with their inputs, so that a reader can r
   hours = tokens / (plan.extract_tokens_per_s x servers) (+ one server start when 02 starts its own).
 - 04: packed rows an epoch = ceil(tokens x (1 - train.eval_fraction) / (train.total_seq_len x plan.packing_fill));
   steps = epochs x ceil(rows / (processes x grad_accum)) (cut by max_steps); hours = epochs x training tokens /
-  (plan.train_tokens_per_s x processes x plan.train_scaling when processes > 1); checkpoints on disk at once =
-  min(keep_checkpoints, checkpoints written) + 1 (a save comes before the prune) x plan.checkpoint_gb + export_gb.
-  Online: disk = train.spool_gb + train.cache_gb, hours = the larger of training and one extraction an epoch.
+  (plan.train_tokens_per_s x processes x plan.train_scaling when processes > 1); checkpoints written = one every
+  checkpoint_every steps and one at the end; on disk at once = at most keep_checkpoints + 1 (a save comes before the
+  prune; + the best step with train.export best), each plan.checkpoint_gb or else the size of the draft 04 builds
+  (``draft_size``: its family's model on the meta device), + the export. Online: disk = train.spool_gb +
+  train.cache_gb, hours = the larger of training and one extraction an epoch.
+
+Each rate is printed with where its default comes from (``RATE_BASIS``: measured, projected or assumed; the training
+rate of a draft family it was not measured for says so).
 - 05: per server (the draft, the verifier alone, each baseline draft) and concurrency level c: sets x num_prompts x
   max_completion_tokens / (c x plan.evaluate_tokens_per_s), an upper bound (every answer at its cap).
 """
@@ -28,15 +33,18 @@ The figures are simple products, shown with their inputs, so that a reader can r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, PipelineConfig, load_config
+from .config import ConfigError, PipelineConfig, PlanConfig, load_config
 from .records import DataDir, hs_bytes_estimate
 
 GB = 1e9
@@ -62,7 +70,9 @@ class RunCosts:
     tokens_per_row: int
     bound_tokens_per_row: int  # shared.max_seq_len
     train_processes: int
+    train_processes_from: str  # where that number comes from (train_processes)
     stages: list[StageCost] = field(default_factory=list)
+    not_counted: list[str] = field(default_factory=list)  # disk the plan could not size here, and why
 
     @property
     def disk_bytes(self) -> int:
@@ -79,6 +89,26 @@ class RunCosts:
             extra = _states_bytes(cfg, self.rows, self.bound_tokens_per_row) - \
                 _states_bytes(cfg, self.rows, self.tokens_per_row)
         return self.disk_bytes + extra
+
+
+# Where each default of the plan section comes from (BENCHMARKS.md "Sizing a run" and config.py's PlanConfig say
+# how): measured on an H200 here, or projected from others' figures, or assumed. A value the config sets is its own.
+RATE_BASIS = {"generate_tokens_per_s": "projected", "extract_tokens_per_s": "projected",
+              "train_tokens_per_s": "measured for EAGLE-3 on one H200", "train_scaling": "projected",
+              "packing_fill": "measured", "evaluate_tokens_per_s": "projected", "server_start_s": "projected",
+              "prompt_tokens": "assumed", "completion_tokens": "assumed"}
+
+
+def rate_basis(cfg: PipelineConfig, key: str) -> str:
+    """Whether plan.``key`` was measured, projected or assumed (or set in this config)."""
+    import dataclasses
+
+    default = next(f.default for f in dataclasses.fields(PlanConfig) if f.name == key)
+    if getattr(cfg.plan, key) != default:
+        return "this config's"
+    if key == "train_tokens_per_s" and cfg.train.draft != "eagle3":
+        return f"EAGLE-3's, measured on one H200; NOT MEASURED for a {cfg.train.draft} draft"
+    return RATE_BASIS[key]
 
 
 def check_plan_section(cfg: PipelineConfig) -> None:
@@ -110,12 +140,43 @@ def visible_gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
-def train_processes(cfg: PipelineConfig) -> int:
-    """The processes run_all starts for 04 (run_all.train_processes' rule, without importing torch)."""
-    n = cfg.train.nproc_per_node
-    if n == 0:
-        n = 1 if cfg.train.device == "cpu" else (visible_gpu_count() or 1)
-    return n
+def server_tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
+    """The tensor-parallel size each server started here asks for."""
+    out = {}
+    for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
+                                                                            cfg.extract.server_args)):
+        words = list(args)  # config.py keeps server_args as a list of vLLM's words
+        for i, w in enumerate(words):
+            if w in ("--tensor-parallel-size", "-tp") and i + 1 < len(words):
+                out[key] = int(words[i + 1])
+            elif w.startswith("--tensor-parallel-size="):
+                out[key] = int(w.split("=", 1)[1])
+    if cfg.evaluate.tensor_parallel_size:
+        out["evaluate.tensor_parallel_size"] = cfg.evaluate.tensor_parallel_size
+    if cfg.train.nproc_per_node > 1:
+        out["train.nproc_per_node"] = cfg.train.nproc_per_node
+    return out
+
+
+def train_processes(cfg: PipelineConfig) -> tuple[int, str]:
+    """(the processes 04 will train on, where that number comes from): train.nproc_per_node, else every visible GPU
+    (run_all.train_processes' rule, without importing torch). Where no GPU is visible (a login node) for a config
+    that trains on GPUs, the largest tensor-parallel size its servers ask for: the GPUs of the node the config was
+    written for (8 for the K2.5 configs), said in the plan."""
+    t = cfg.train
+    if t.nproc_per_node:
+        return t.nproc_per_node, "train.nproc_per_node"
+    if t.device == "cpu":
+        return 1, "train.device cpu"
+    visible = visible_gpu_count()
+    if visible:
+        return visible, "every GPU visible here"
+    sizes = {k: v for k, v in server_tp_sizes(cfg).items() if v > 1}
+    if sizes:
+        key = max(sizes, key=sizes.get)
+        return sizes[key], (f"NO GPU VISIBLE HERE: planned on the {sizes[key]} GPUs of the node {key} asks for; "
+                            "set train.nproc_per_node to plan another count")
+    return 1, "no GPU visible here and none asked for: one process"
 
 
 def count_lines(path: Path) -> int:
@@ -125,53 +186,86 @@ def count_lines(path: Path) -> int:
 
 @dataclass
 class DraftSize:
-    """Parameters of a new draft (``draft.flat_tensor_shapes``' tensors) and what it takes on disk."""
+    """What a new draft of the run's family stores: the tensors of 04's checkpoints (``train.draft_state``: the
+    verifier's embedding, norm and lm_head are not saved) counted on the model 04 builds."""
 
-    params: int  # every float tensor of the draft (its own lm_head included; the verifier's embedding is not saved)
+    family: str  # train.draft
+    params: int  # floating-point parameters saved (the draft's own lm_head included)
     trainable: int  # those AdamW updates (lm_head only with train.train_lm_head)
-    draft_vocab: int
-    vocab: int
+    buffer_bytes: int  # the other tensors saved (d2t int64, t2d bool)
 
     @property
     def checkpoint_bytes(self) -> int:
-        """step_N: fp32 weights, AdamW's two fp32 moments per trainable parameter, d2t int64 and t2d bool."""
-        return 4 * self.params + 8 * self.trainable + 8 * self.draft_vocab + self.vocab
+        """step_N: fp32 weights, AdamW's two fp32 moments per trainable parameter, the buffers."""
+        return 4 * self.params + 8 * self.trainable + self.buffer_bytes
 
     @property
     def export_bytes(self) -> int:
-        """final/: bf16 weights, d2t and t2d."""
-        return 2 * self.params + 8 * self.draft_vocab + self.vocab
+        """final/: bf16 weights and the buffers."""
+        return 2 * self.params + self.buffer_bytes
 
 
-def draft_size(cfg: PipelineConfig) -> DraftSize | None:
-    """The size of the draft 04 builds (None when it depends on a verifier config.json that cannot be read here: the
-    draft's attention or MLP width left at 0 = the verifier's). A warm start (train.finetune_from) keeps its own
-    dims."""
-    import json
+@contextlib.contextmanager
+def _without_verifier_weights():
+    """speculators' ``from_training_args`` reads the verifier's embedding and lm_head from its weight files; sizing
+    needs the shapes alone (the verifier's config.json), so that read is left out while the model is built."""
+    from speculators.model import SpeculatorModel
 
-    from .draft import draft_attention_geometry
+    classes, todo = [], [SpeculatorModel]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "load_verifier_weights" in vars(cls):
+            classes.append((cls, vars(cls)["load_verifier_weights"]))
+    try:
+        for cls, _ in classes:
+            cls.load_verifier_weights = lambda self: None
+        yield
+    finally:
+        for cls, method in classes:
+            cls.load_verifier_weights = method
 
-    s, t = cfg.shared, cfg.train
-    inter = t.draft_intermediate_size
-    text = {"num_attention_heads": t.draft_num_heads or 1, "num_key_value_heads": t.draft_num_kv_heads or 1,
-            "head_dim": t.draft_head_dim or 1}  # stands for the verifier when every dimension is given
-    if not (t.draft_num_heads and t.draft_num_kv_heads and t.draft_head_dim and inter):
-        try:
-            config = json.loads((Path(s.verifier) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        text = config.get("text_config") or config  # Kimi-K2.5 nests its language model's config
-        inter = inter or int(text["intermediate_size"])
-    heads, kv_heads, head_dim = draft_attention_geometry(text, t.draft_num_heads, t.draft_num_kv_heads,
-                                                         t.draft_head_dim)
-    h, n = s.hidden_size, s.draft_vocab_size
-    # fc [H, 3H]; q [heads x head_dim, 2H]; k, v [kv heads x head_dim, 2H]; o [H, heads x head_dim]; gate, up, down;
-    # 4 norms
-    layer = (len(s.aux_layer_ids) * h * h + (heads + 2 * kv_heads) * head_dim * 2 * h + h * heads * head_dim
-             + 3 * inter * h + 4 * h)
-    lm_head = n * h
-    return DraftSize(params=layer + lm_head, trainable=layer + (lm_head if t.train_lm_head else 0), draft_vocab=n,
-                     vocab=s.vocab_size)
+
+def draft_size(cfg: PipelineConfig) -> DraftSize:
+    """The size of the draft 04 builds for this config: its family's ``new_model`` (train_drafts.draft_family: one
+    per train.draft, the same call 04 makes for a new draft), built on the meta device, where it takes no memory and
+    reads only the verifier's config.json. A --finetune-from draft is sized at the train.* dims (it keeps its own).
+    Raises ConfigError when the verifier's config.json cannot be read here."""
+    import torch
+
+    from .cli import StageError
+    from .train import draft_state, set_lm_head_training
+    from .train_drafts import draft_family
+
+    s = cfg.shared
+    family = draft_family(cfg, torch.device("meta"))
+    # a valid map of the right shapes (the first draft_vocab_size ids): speculators checks it as it loads it
+    d2t = torch.zeros(s.draft_vocab_size, dtype=torch.int64)
+    t2d = torch.arange(s.vocab_size) < s.draft_vocab_size
+    try:
+        with torch.device("meta"), _without_verifier_weights(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "copying from a non-meta parameter ... is a no-op": as intended
+            model, _ = family.new_model(d2t, t2d, "sdpa")
+    except (OSError, StageError) as e:  # StageError: verifier.VerifierLoadError (no config.json)
+        raise ConfigError(f"the {cfg.train.draft} draft cannot be sized without the verifier's config.json "
+                          f"({s.verifier}/config.json: {str(e).strip().splitlines()[0][:300]}): copy it there, or "
+                          "set plan.checkpoint_gb") from None
+    except ValueError as e:  # the model 04 would build refuses this config (e.g. aux layers the verifier lacks)
+        raise ConfigError(f"the {cfg.train.draft} draft 04 would build from this config is refused ("
+                          f"{str(e).strip().splitlines()[0][:300]}): fix the config, or set plan.checkpoint_gb") \
+            from None
+    logging.getLogger("eagle3pipe.train").disabled, was = True, logging.getLogger("eagle3pipe.train").disabled
+    try:
+        set_lm_head_training(model, cfg)  # the trainer's own rule for which tensors AdamW updates
+    finally:
+        logging.getLogger("eagle3pipe.train").disabled = was
+    saved = draft_state(model)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    params = {k: v for k, v in saved.items() if v.is_floating_point()}
+    return DraftSize(family=family.name, params=sum(v.numel() for v in params.values()),
+                     trainable=sum(p.numel() for n, p in model.named_parameters()
+                                   if id(p) in trainable and n in params),
+                     buffer_bytes=sum(v.numel() * v.element_size() for k, v in saved.items() if k not in params))
 
 
 def _states_bytes(cfg: PipelineConfig, rows: int, tokens_per_row: int) -> int:
@@ -201,8 +295,9 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
     rows = requests if has_01b else questions
     tokens_per_row = min(p.prompt_tokens + p.completion_tokens, s.max_seq_len)
     tokens = rows * tokens_per_row
+    processes, processes_from = train_processes(cfg)
     out = RunCosts(questions=questions, questions_from=questions_from, rows=rows, tokens_per_row=tokens_per_row,
-                   bound_tokens_per_row=s.max_seq_len, train_processes=train_processes(cfg))
+                   bound_tokens_per_row=s.max_seq_len, train_processes=processes, train_processes_from=processes_from)
 
     out.stages.append(StageCost("01_prepare", questions, None, 0, None, f"{questions} questions ({questions_from})"))
     if has_01b:
@@ -212,8 +307,9 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
         hours = requests * completion / (p.generate_tokens_per_s * servers) / 3600 + starts * p.server_start_s / 3600
         out.stages.append(StageCost(
             "01b_generate", requests, requests * completion, 0, hours,
-            f"{requests} requests x {completion} generated tokens / ({p.generate_tokens_per_s:g} tok/s x {servers} "
-            f"server(s))" + (f" + {starts} server start of {p.server_start_s:g} s" if starts else "")))
+            f"{requests} requests x {completion} generated tokens / ({p.generate_tokens_per_s:g} tok/s "
+            f"({rate_basis(cfg, 'generate_tokens_per_s')}) x {servers} server(s))"
+            + (f" + {starts} server start of {p.server_start_s:g} s" if starts else "")))
 
     if t.data_source == "offline":
         servers = max(1, len(ex.extract_url)) if ex.backend == "vllm" else 1
@@ -223,7 +319,8 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
         out.stages.append(StageCost(
             "02_extract", rows, tokens, states, hours,
             f"{rows} rows x {tokens_per_row} tokens; states {ex.storage_dtype} ({len(s.aux_layer_ids) + 1} x "
-            f"{s.hidden_size}); {p.extract_tokens_per_s:g} tok/s x {servers} server(s)"
+            f"{s.hidden_size}); {p.extract_tokens_per_s:g} tok/s ({rate_basis(cfg, 'extract_tokens_per_s')}) x "
+            f"{servers} server(s)"
             + (f" + {starts} server start" if starts else "")))
     else:
         out.stages.append(StageCost("02_extract", 0, 0, 0, 0.0,
@@ -238,25 +335,35 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
     done_share = steps / (steps_per_epoch * t.epochs) if steps_per_epoch else 0.0
     rate = p.train_tokens_per_s * world * (p.train_scaling if world > 1 else 1.0)
     hours = t.epochs * train_tokens * done_share / rate / 3600
-    written = steps // t.checkpoint_every
-    kept = min(t.keep_checkpoints, written) if t.keep_checkpoints else written
-    at_once = kept + 1 if written > kept else kept  # a new checkpoint is saved before the oldest is pruned
-    size = draft_size(cfg)
+    # a checkpoint every checkpoint_every steps and one at the end (TrainingLoop.run); each save is written before
+    # the oldest is pruned to keep_checkpoints, and train.export best keeps the best evaluation's step besides
+    written = steps // t.checkpoint_every + (1 if steps % t.checkpoint_every else 0)
+    at_once = min(written, t.keep_checkpoints + 1 + (t.export == "best")) if t.keep_checkpoints else written
     how = (f"{t.epochs} epochs x {train_tokens} tokens / ({t.total_seq_len}-token rows x fill {p.packing_fill:g}) = "
-           f"{packed_per_epoch} rows an epoch, {steps} steps on {world} process(es) x grad_accum {t.grad_accum}; "
-           f"{p.train_tokens_per_s:g} tok/s a process" + (f" x {p.train_scaling:g}" if world > 1 else ""))
-    if p.checkpoint_gb or size is not None:
-        one = round(p.checkpoint_gb * GB) if p.checkpoint_gb else size.checkpoint_bytes
-        export = size.export_bytes if size is not None else 0
-        ckpt_bytes = at_once * one + export
-        how += (f"; {written} checkpoints written, {at_once} on disk at once, {one / GB:.2f} GB each"
-                + (f" (draft: {size.params / 1e6:.1f} M parameters, {size.trainable / 1e6:.1f} M trained)"
-                   if size is not None and not p.checkpoint_gb else " (plan.checkpoint_gb)")
-                + (f" + export {export / GB:.2f} GB" if export else ""))
+           f"{packed_per_epoch} rows an epoch, {steps} steps on {world} process(es) ({out.train_processes_from}) x "
+           f"grad_accum {t.grad_accum}; {p.train_tokens_per_s:g} tok/s a process "
+           f"({rate_basis(cfg, 'train_tokens_per_s')})"
+           + (f" x {p.train_scaling:g} ({rate_basis(cfg, 'train_scaling')})" if world > 1 else ""))
+    if p.checkpoint_gb:
+        one, export = round(p.checkpoint_gb * GB), 0
+        how += (f"; {written} checkpoints written, {at_once} on disk at once, {one / GB:.2f} GB each "
+                "(plan.checkpoint_gb)")
     else:
-        ckpt_bytes = 0
-        how += (f"; checkpoints NOT COUNTED: the draft's size needs {s.verifier}/config.json (draft heads / MLP width "
-                "0 = the verifier's): set plan.checkpoint_gb")
+        try:
+            size = draft_size(cfg)
+        except ConfigError as e:
+            size = None
+            out.not_counted.append(f"04's checkpoints ({written} written, {at_once} on disk at once): {e}")
+            how += f"; {written} checkpoints written, {at_once} on disk at once: NOT COUNTED ({e})"
+    if not p.checkpoint_gb and size is None:
+        one = export = 0
+    elif not p.checkpoint_gb:
+        one, export = size.checkpoint_bytes, size.export_bytes
+        how += (f"; {written} checkpoints written (the last at the end), {at_once} on disk at once, {one / GB:.2f} GB "
+                f"each ({size.family} draft: {size.params / 1e6:,.0f} M parameters, {size.trainable / 1e6:,.0f} M "
+                f"trained" + ("; sized at train.* dims, --finetune-from keeps its own" if t.finetune_from else "")
+                + f") + export {export / GB:.2f} GB")
+    ckpt_bytes = at_once * one + export
     disk = ckpt_bytes
     if t.data_source == "online":
         servers = max(1, len(ex.extract_url))
@@ -282,8 +389,8 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
         out.stages.append(StageCost(
             "05_evaluate", requests, passes * len(ev.concurrency) * per_pass, 0, hours,
             f"{passes} column(s) x levels {ev.concurrency} x {sets} set(s) x {ev.num_prompts} prompts x at most "
-            f"{ev.max_completion_tokens} tokens at {p.evaluate_tokens_per_s:g} tok/s a request; {servers} server "
-            "start(s)"))
+            f"{ev.max_completion_tokens} tokens at {p.evaluate_tokens_per_s:g} tok/s a request "
+            f"({rate_basis(cfg, 'evaluate_tokens_per_s')}); {servers} server start(s)"))
     else:
         out.stages.append(StageCost("05_evaluate", None, None, 0, None, "evaluate.num_prompts 0 (every prompt of "
                                     "each set): not costed"))
@@ -301,6 +408,9 @@ def free_bytes(path: Path) -> tuple[Path, int]:
 def disk_problem(cfg: PipelineConfig, costs: RunCosts) -> str | None:
     """Why the run will not fit on the data dir's disk (None: it fits). Finished stage outputs already on disk are not
     counted again (a finished hidden_states/ holds its states)."""
+    if costs.not_counted:
+        return (f"the plan cannot size {'; '.join(costs.not_counted)}: the disk check needs it (or set "
+                "extract.force_disk to start anyway)")
     need = costs.disk_bytes
     dd = DataDir(cfg.data_dir)
     if dd.hs_manifest.is_file():
@@ -333,8 +443,10 @@ def format_costs(cfg: PipelineConfig, costs: RunCosts) -> str:
     where, free = free_bytes(cfg.data_dir)
     lines.append(f"disk: {costs.disk_bytes / GB:.1f} GB needed ({costs.bound_disk_bytes(cfg) / GB:.1f} GB if every "
                  f"row reached max_seq_len), {free / GB:.1f} GB free on {where}")
-    lines.append("rates: the plan section of the config (docs/sizing.md, docs/reference.md#plan); "
-                 "measure yours with --status")
+    lines += [f"DISK NOT COUNTED: {what}" for what in costs.not_counted]
+    lines.append(f"04 on {costs.train_processes} process(es): {costs.train_processes_from}")
+    lines.append("rates (the plan section: docs/sizing.md, docs/reference.md#plan; measure yours with --status): "
+                 + ", ".join(f"{key} {getattr(cfg.plan, key):g} ({rate_basis(cfg, key)})" for key in RATE_BASIS))
     return "\n".join(lines)
 
 

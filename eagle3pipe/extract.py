@@ -64,7 +64,7 @@ from .verifier import load_text_config, state_names, verifier_load_bytes
 
 log = logging.getLogger(__name__)
 
-STAGE = "02_extract_hidden_states"
+STAGE = "02_extract"  # its log and lock name: run_all's stage name (run_all.STAGES), as every stage's
 DISK_HEADROOM = 1.05  # preflight wants 5 % more free space than the estimate
 
 

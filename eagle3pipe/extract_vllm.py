@@ -647,24 +647,40 @@ async def check_capture(ex: Extractor, items: "RowSelection | list[Item]", first
 # The command for servers the user starts (one per node)
 
 
-def serve_command(cfg: PipelineConfig, storage: Path, host: str = "") -> str:
-    """The ``vllm serve`` command of an extraction server for ``cfg`` (one node; start one per node and give each
-    URL as ``--extract-url``): the same flags the stage uses when it starts the server itself. It listens on
-    127.0.0.1 unless ``host`` is given; then it requires ``$VLLM_API_KEY`` (``--api-key``, expanded by the shell
-    that runs it, never printed), which stages 01b, 02 and 05 send: our connector lets each request choose the file
-    it writes inside ``storage``, so only our clients may reach it."""
+VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main serve"  # `vllm serve`, run by a given interpreter (python -m)
+
+
+def vllm_serve(python: str | None = None) -> str:
+    """``vllm serve`` as the vLLM interpreter the stages use runs it (``.venv-vllm/bin/python``, or
+    ``$EAGLE3PIPE_VLLM_PYTHON``), shown relative to the repository when it lies inside it: the project's ``.venv``
+    has no vLLM, and a bare ``vllm`` may be another install."""
+    from .server import default_vllm_python
+
+    python = Path(python or default_vllm_python())
+    shown = python.relative_to(REPO_ROOT) if python.is_relative_to(REPO_ROOT) else python
+    return f"{shlex.quote(str(shown))} -m {VLLM_SERVE_MODULE}"
+
+
+def serve_command(cfg: PipelineConfig, storage: Path, host: str = "", num_layers: int | None = None) -> str:
+    """The ``vllm serve`` command (``vllm_serve``: in the stages' vLLM environment) of an extraction server for
+    ``cfg`` (one node; start one per node and give each URL as ``--extract-url``): the same flags the stage uses
+    when it starts the server itself. It listens on 127.0.0.1 unless ``host`` is given; then it requires
+    ``$VLLM_API_KEY`` (``--api-key``, expanded by the shell that runs it, never printed), which stages 01b, 02 and 05
+    send: our connector lets each request choose the file it writes inside ``storage``, so only our clients may
+    reach it. ``num_layers``: the verifier's layer count, else read from its config.json."""
     from .verifier import load_text_config
 
     if host and not api_key():
         raise StageError(f"--host {host}: the server would answer other machines, and each request names the file "
                          f"it writes: set {API_KEY_ENV} to a secret first (the server then requires it; stages "
                          "01b, 02 and 05 send it)")
-    text, _ = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)
-    args = server_args(cfg, storage, text.num_hidden_layers, cfg.shared.max_seq_len + 1, cpu=False)
+    if num_layers is None:
+        num_layers = load_text_config(cfg.shared.verifier, cfg.shared.trust_remote_code)[0].num_hidden_layers
+    args = server_args(cfg, storage, num_layers, cfg.shared.max_seq_len + 1, cpu=False)
     if cfg.shared.trust_remote_code:
         args.append("--trust-remote-code")
     listen = f'--host {shlex.quote(host)} --api-key "${API_KEY_ENV}"' if host else "--host 127.0.0.1"
-    return (f"PYTHONPATH={shlex.quote(str(REPO_ROOT))} vllm serve {shlex.quote(cfg.shared.verifier)} {listen} "
+    return (f"PYTHONPATH={shlex.quote(str(REPO_ROOT))} {vllm_serve()} {shlex.quote(cfg.shared.verifier)} {listen} "
             + " ".join(shlex.quote(a) for a in args))
 
 

@@ -14,13 +14,14 @@ from .records import FORMAT_VERSION, FormatError, read_jsonl
 # Training checkpoints (stage 04)
 #
 #   checkpoints/
-#     step_{N}/            written under a temporary name, renamed when complete (so a listed one is whole)
+#     step_{N}/            written under a temporary name, fsynced, renamed when complete (so a listed one is whole;
+#                          --resume checks it and falls back on the newest whole one: check_train_checkpoint)
 #       model.safetensors      the draft's own tensors (speculators names: layers.0.*, fc, norm, lm_head, d2t, t2d);
 #                              the verifier's embedding / final norm / lm_head are reloaded from the verifier
 #       optimizer.safetensors  AdamW state: "state.{param_index}.{step|exp_avg|exp_avg_sq}"
 #       optimizer.json         param_groups (hyper-parameters, param indices)
 #       scheduler.json         LR scheduler state_dict
-#       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed
+#       training_state.json    TrainingState: step, epoch, batches done in that epoch, seed, tokens trained so far
 #     metrics.jsonl        one line per logged train step ({"kind": "train", "step", ...}: means since the line before),
 #                          per held-out evaluation ("eval": after a step, simulated_acceptance_length) and per epoch
 #                          the packed rows trained ("rows": rows, samples, rows_per_rank; 04 checks each once)
@@ -36,6 +37,7 @@ CKPT_OPTIMIZER_FILE = "optimizer.safetensors"
 CKPT_OPTIMIZER_GROUPS_FILE = "optimizer.json"
 CKPT_SCHEDULER_FILE = "scheduler.json"
 CKPT_STATE_FILE = "training_state.json"
+CKPT_FILES = (CKPT_MODEL_FILE, CKPT_OPTIMIZER_FILE, CKPT_OPTIMIZER_GROUPS_FILE, CKPT_SCHEDULER_FILE, CKPT_STATE_FILE)
 
 
 @dataclass
@@ -47,14 +49,27 @@ class TrainingState:
     batches_done: int  # optimizer steps of ``epoch`` done (each world size x train.grad_accum packed rows)
     seed: int
     format_version: int = FORMAT_VERSION
+    tokens: int = 0  # training tokens of every rank up to this step (metrics.jsonl's cumulative "tokens", which a
+    # resume continues from); 0 in checkpoints written before it was kept
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a written file, or a folder's entries (the names a rename made), to the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_train_checkpoint(folder: Path, model_state: dict, optimizer_state: dict, scheduler_state: dict,
                           state: TrainingState) -> None:
-    """Write one training checkpoint folder atomically (temporary folder, then rename)."""
+    """Write one training checkpoint folder atomically (temporary folder, then rename) and durably: every file and
+    the temporary folder are fsynced before the rename and checkpoints/ after it, so that after a power cut a
+    listed step_N is whole (a rename alone can reach the disk before the data it names)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -71,9 +86,41 @@ def save_train_checkpoint(folder: Path, model_state: dict, optimizer_state: dict
     (tmp / CKPT_OPTIMIZER_GROUPS_FILE).write_text(json.dumps(groups))
     (tmp / CKPT_SCHEDULER_FILE).write_text(json.dumps(scheduler_state))
     (tmp / CKPT_STATE_FILE).write_text(json.dumps(state.to_json()))
+    for name in CKPT_FILES:
+        fsync_path(tmp / name)
+    fsync_path(tmp)
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
+    fsync_path(folder.parent)
+
+
+def check_train_checkpoint(folder: Path) -> str | None:
+    """Why ``folder`` is not a whole checkpoint (None: it is), without reading its tensors: every file there, each
+    safetensors file as long as its header says, each JSON file parsing (a power cut before the data reached the
+    disk leaves files empty or short)."""
+    folder = Path(folder)
+    for name in CKPT_FILES:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        try:
+            if name.endswith(".safetensors"):
+                with open(path, "rb") as f:
+                    head = f.read(8)
+                    if len(head) < 8:
+                        return f"{name} holds {size} bytes"
+                    header_len = int.from_bytes(head, "little")
+                    header = json.loads(f.read(header_len))
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                if size != 8 + header_len + max(ends, default=0):
+                    return f"{name} holds {size} bytes, its header names {8 + header_len + max(ends, default=0)}"
+            else:
+                json.loads(path.read_text())
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return f"{name} does not parse ({type(e).__name__}: {str(e)[:100]})"
+    return None
 
 
 def load_train_checkpoint(folder: Path) -> tuple[dict, dict, dict, TrainingState]:
@@ -81,7 +128,7 @@ def load_train_checkpoint(folder: Path) -> tuple[dict, dict, dict, TrainingState
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    for name in (CKPT_MODEL_FILE, CKPT_OPTIMIZER_FILE, CKPT_OPTIMIZER_GROUPS_FILE, CKPT_SCHEDULER_FILE, CKPT_STATE_FILE):
+    for name in CKPT_FILES:
         if not (folder / name).is_file():
             raise FormatError(f"{folder}: checkpoint lacks {name}")
     model_state = load_file(str(folder / CKPT_MODEL_FILE))

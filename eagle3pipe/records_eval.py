@@ -26,13 +26,13 @@ from .records import FORMAT_VERSION, DataDir, FormatError, atomic_write_bytes, a
 #                      with_draft / without_draft: the exported draft / the verifier alone over every set,
 #                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
 #                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
-#                      anchors: [{draft, target, settings, acceptance_length: {set: x}, note}],
+#                      anchors: [{draft, target, settings, source, acceptance_length: {set: x}, note}],
 #                      decode_timings: {column: {set: {level: {step_ms, tpot_ms}}}} (vLLM's inter-token latency:
 #                      one engine step; its per-request time per output token; null where the server has neither),
 #                      step_costs: {draft: {set: {level: {step_cost (speculation step / plain step), acceptance_length,
 #                      speedup_allowed (acceptance length / step cost)}}}} | null (no verifier alone),
-#                      wall_clock_anchors: [{draft, target, engine, hardware, concurrency, input_tokens,
-#                      output_tokens, speedup, detail, source}] (anchors.WALL_CLOCK)}
+#                      wall_clock_anchors: [{draft, target, engine, hardware, concurrency, speedup, detail, source,
+#                      input_tokens, output_tokens}] (anchors.WALL_CLOCK)}
 #   eval/report.md     one table per measure: rows = sets, columns = drafts
 #   eval/acceptance.png  acceptance length grouped by set (written by evaluate.py)
 
@@ -105,6 +105,7 @@ def eval_markdown_table(report: dict) -> str:
             lines.append("| " + s + " | " + " | ".join(fmt(acc[c][s]["acceptance_length"], ".3f") for c in drafts)
                          + " | " + " | ".join(fmt(a["acceptance_length"].get(s), ".2f") for a in anchors) + " |")
         lines += [""] + [f"- {a['draft']}: target {a['target']}; {a['settings']}"
+                         + (f"; from {a['source']}" if a.get("source") else "")
                          + (f"; {a['note']}" if a.get("note") else "") for a in anchors] + [""]
     lines += table("Per-position acceptance (accepted at position i / drafts; i = 0, 1, ...)", drafts,
                    lambda c, s: " / ".join(f"{r:.2f}" for r in acc[c][s]["per_position_acceptance"]) or "n/a")

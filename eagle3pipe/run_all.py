@@ -10,8 +10,9 @@ when ``train.nproc_per_node`` resolves to more than one process; ``resume``: ``-
 stage continue an interrupted run). A stage's hash covers
 the config sections it and every stage before it read, so changing an upstream setting re-runs everything after
 it; where the data goes to or comes from (``shared.vllm_url``, ``shared.progress_every_s``) is left out, so a demo
-server on a new port does not redo finished work. The marker file (``DataDir.stage_marker``) holds the hash and is
-written only after the stage exited 0.
+server on a new port does not redo finished work. Before the first stage starts, ``check --stages ...`` runs the
+config checks of every stage run_all will run (``check_stages``). The marker file (``DataDir.stage_marker``) holds
+the hash and is written only after the stage exited 0.
 
 Continuing an interrupted stage: ``run_all.sh`` writes ``DataDir.stage_started`` (the hash) before it starts a
 stage and removes it once the stage finished. Every stage but 04 resumes when run again with the same config; 04
@@ -44,7 +45,8 @@ import yaml
 from .config import ConfigError, load_config
 from .records import DataDir, FormatError, atomic_write_bytes, check_synthetic_finished
 
-# (stage name = log name, script glob, config section it adds)
+# (stage name = its log and lock name, script glob, config section it adds): every door passes its stage name
+# to cli.run_stage (test_run_all.py runs each door to check it)
 STAGES = [
     ("01_prepare", "01_*.py", "prepare"),
     ("01b_generate", "01b_*.py", "generate"),
@@ -101,15 +103,6 @@ def find_script(repo: Path, pattern: str) -> Path:
     return matches[0]
 
 
-def stage_log_name(script: Path) -> str:
-    """The log name the door passes to ``run_stage`` (a literal), else the script's stem (``02_extract`` uses
-    its module's STAGE constant, which equals its stem)."""
-    import re
-
-    m = re.search(r'run_stage\(\s*"[^"]+"\s*,\s*"([^"]+)"', script.read_text())
-    return m.group(1) if m else script.stem
-
-
 def _synthetic_finished(dd: DataDir) -> bool:
     try:
         check_synthetic_finished(dd)
@@ -161,11 +154,24 @@ def plan(config_path: str, vllm_url: list[str], repo: Path, allow_human_answers:
             continue
         script = find_script(repo, pattern)
         rows.append({"name": name, "script": str(script), "hash": hashes[name], "marker": str(dd.stage_marker(name)),
-                     "started": str(dd.stage_started(name)), "log": str(dd.log_file(stage_log_name(script))),
+                     "started": str(dd.stage_started(name)), "log": str(dd.log_file(name)),
                      "extra": extra[name], "config": stage_config,
                      "launcher": train_launcher(cfg) if name == "04_train" else [],
                      "resume": RESUME_FLAGS.get(name, [])})
     return rows
+
+
+def check_stages(config_path: str, vllm_url: list[str], names: list[str]) -> None:
+    """Each stage's own config checks (``PipelineConfig.validate``, what its door runs first), for every stage in
+    ``names`` (those run_all is about to run, in their resolved config), before the first one starts: a setting 05
+    refuses stops the run now, not after the hours of 01b to 04. Raises ConfigError naming the stage."""
+    cfg = load_config(config_path, {"shared": {"vllm_url": vllm_url}} if vllm_url else None)
+    sections = {name: section for name, _, section in STAGES}
+    for name in names:
+        try:
+            cfg.validate(sections[name])
+        except ConfigError as e:
+            raise ConfigError(f"stage {name} would refuse this config, so nothing was started: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,10 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--allow-human-answers", action="store_true")
     pp.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
     sub.add_parser("data-dir").add_argument("--config", required=True)
+    pc = sub.add_parser("check")
+    pc.add_argument("--config", required=True)
+    pc.add_argument("--vllm-url", nargs="*", default=[])
+    pc.add_argument("--stages", nargs="*", default=[])
     args = p.parse_args(argv)
     try:
         if args.cmd == "data-dir":
             print(load_config(args.config).shared.data_dir)
+            return 0
+        if args.cmd == "check":
+            check_stages(args.config, args.vllm_url, args.stages)
             return 0
         for row in plan(args.config, args.vllm_url, Path(args.repo), args.allow_human_answers):
             print("\t".join([row["name"], row["script"], row["hash"], row["marker"], row["started"], row["log"],

@@ -14,7 +14,8 @@ Read-only and safe while stages run (it takes no lock and writes nothing). Per s
   file that lists it), read from the files each stage writes through ``records.py``: prepared/errors.jsonl (01),
   synthetic/errors.jsonl (01b: errored requests; a rerun retries them) and the responses 01b kept out of data.jsonl
   (their flags: length, short, empty_reasoning, ...), hidden_states/errors.jsonl (02; during a run its shards'
-  journals), checkpoints/online_errors.jsonl (04 online) and the samples speculators' reader skipped (04's log).
+  journals), checkpoints/online_errors.jsonl (04 online: rows never extracted) and checkpoints/skipped.jsonl (04: the
+  samples its read checks skipped, once per epoch that read them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .config import ConfigError, PipelineConfig, load_config
 from .locks import LockHolder, holder_alive
 from .progress import format_duration, parse_line
 from .records import DataDir, load_hs_manifest, read_jsonl, read_provenance
+from .records_checkpoints import SkippedSample
 from .run_all import STAGES, left_out
 
 STATES = ("not started", "running", "crashed", "failed", "stopped", "done")
@@ -74,6 +76,12 @@ def reason_key(reason: str) -> str:
     if reason.startswith("retryable: "):
         return "retryable: " + reason_key(reason.removeprefix("retryable: "))
     return re.split(r":| \(", reason, maxsplit=1)[0].strip() or reason
+
+
+def skip_kind(reason: str) -> str:
+    """The kind of a reason 04's read checks skipped a sample for, its numbers left out ("hidden states for N tokens,
+    token_ids hold N")."""
+    return reason_key(re.sub(r"\d+", "N", reason))
 
 
 def _leading_id(line: str) -> str | None:
@@ -139,13 +147,11 @@ def collect_drops(dd: DataDir) -> list[Drop]:
         where = f"epoch {d['epoch'] + 1}" + (", held out" if d.get("held_out") else "")
         out.append(Drop("04_train", d.get("id") or f"line {d['row'] + 1}", reason_key(d["reason"]),
                         f"{d['reason']} ({where})", rel(dd.train_online_errors)))
-    log = dd.log_file("04_train")
-    for line in _lines(log):
-        m = re.search(r"epoch (\d+) packed row (\d+): (\d+) samples skipped: (.*)$", line)
-        if m:
-            for k in range(int(m.group(3))):
-                out.append(Drop("04_train", f"epoch {m.group(1)} row {m.group(2)} #{k + 1}",
-                                "skipped by speculators' reader", m.group(4).strip(), rel(log)))
+    for line in _lines(dd.train_skipped):
+        skip = SkippedSample.from_json(json.loads(line), str(dd.train_skipped))
+        where = f"epoch {skip.epoch + 1}, step {skip.step}" + (", held out" if skip.held_out else "")
+        out.append(Drop("04_train", f"row {skip.index}", skip_kind(skip.reason),
+                        f"{skip.reason} ({where}; {skip.file})", rel(dd.train_skipped)))
     return out
 
 

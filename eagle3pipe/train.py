@@ -31,6 +31,7 @@ running training. The recipe (loss by name, AdamW decay and betas, clipping, hid
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -59,6 +60,7 @@ from .records import (
 from .records_checkpoints import (
     SkippedSample,
     TrainingState,
+    check_train_checkpoint,
     list_train_checkpoints,
     load_skipped_samples,
     load_train_checkpoint,
@@ -77,7 +79,7 @@ from .train_batches import (
     agree_stop,
     check_lengths_fit,
     datasets_without_video,
-    held_out_split,
+    split_files,
     make_loader,
     packed_batches,
     states_reader,
@@ -223,12 +225,9 @@ def build_model(cfg: PipelineConfig, device: torch.device):
     torch.manual_seed(s.seed)  # a fresh draft's initial weights
     if not t.finetune_from:
         try:
-            layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_num_kv_heads,
-                                                    t.draft_head_dim, t.draft_intermediate_size, s.trust_remote_code)
-        except ValueError as e:
+            model, layer_config = draft_family(cfg, device).new_model(d2t, t2d, attn_impl)
+        except ValueError as e:  # the attention geometry asked for (draft_attention_geometry)
             raise StageError(str(e)) from None
-        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=cfg.draft_layer_ids, d2t=d2t,
-                                        t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
         log.info("new draft: %d heads x %d (%d KV heads), MLP %d, draft vocab %d (vocab/ source: %s)",
                  layer_config.num_attention_heads, layer_config.head_dim, layer_config.num_key_value_heads,
                  layer_config.intermediate_size, d2t.shape[0], summary.source)
@@ -289,13 +288,13 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
     transfer, dataset_class, stored = states_reader(manifest, dd.hs_files, train_dtype(device))
-    train_ratio = held_out_split(manifest.num_samples, t.eval_fraction)
+    train_files, held_files = split_files(manifest.num_samples, t.eval_fraction, cfg.shared.seed)
 
-    def dataset(split: str):
+    def dataset(files):
         return dataset_class(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
-                             on_missing="raise", train_ratio=train_ratio, split=split, hidden_states_dtype=stored)
+                             on_missing="raise", file_indices=files, hidden_states_dtype=stored)
 
-    train_ds, val_ds = dataset("train"), (dataset("val") if train_ratio < 1.0 else None)
+    train_ds, val_ds = dataset(train_files), (dataset(held_files) if held_files is not None else None)
     check_lengths_fit(train_ds.approx_lengths + (val_ds.approx_lengths if val_ds is not None else []), cfg)
     return train_ds, val_ds, manifest
 
@@ -437,7 +436,17 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
         if not existing:
             log.warning("--resume: no checkpoint in %s, starting from scratch", dd.checkpoints)
             return None
-        return existing[-1]
+        for step, folder in reversed(existing):  # the newest whole one (a power cut can leave the last one short)
+            problem = check_train_checkpoint(folder)
+            if problem is None:
+                return step, folder
+            torn = folder.with_name(f"{folder.name}.torn")  # no longer listed, kept to be looked at
+            shutil.rmtree(torn, ignore_errors=True)
+            folder.rename(torn)
+            log.warning("--resume: %s is not whole (%s; a power cut before its data reached the disk?): moved to %s, "
+                        "trying the checkpoint before it", folder, problem, torn.name)
+        raise StageError(f"--resume: no whole checkpoint in {dd.checkpoints} (each is listed above with what it "
+                         "lacks): --overwrite starts over")
     if existing or dd.final_checkpoint.exists():
         if not cfg.train.overwrite:
             raise StageError(f"{dd.checkpoints} holds an earlier run: --resume to continue it, --overwrite to start "
@@ -454,6 +463,7 @@ def _prepare_checkpoints(cfg: PipelineConfig) -> tuple[int, Path] | None:
 
 
 ROWS_PER_STEP = "rows per step (world size x train.grad_accum)"
+HELD_OUT_KEY = "held-out rows"  # which rows train.eval_fraction holds out (train_batches.split_files)
 # run.json keys that fix the draft's tensors: --export-from of a checkpoint needs them equal to the config it is given
 DRAFT_SHAPE_KEYS = ("shared.verifier", "shared.aux_layer_ids", "shared.hidden_size", "shared.vocab_size",
                     "shared.draft_vocab_size", "train.finetune_from", "train.draft_num_heads",
@@ -483,7 +493,8 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
         # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
         "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
-        "train.eval_fraction": t.eval_fraction, "train.ttt_steps": t.ttt_steps,
+        "train.eval_fraction": t.eval_fraction, HELD_OUT_KEY: "drawn with shared.seed" if t.eval_fraction else "none",
+        "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: world * t.grad_accum,
         # the recipe: the loss, AdamW's decay and betas (the betas also live in the optimizer state a resume loads),
         # the clipping and the noise; half a run on one recipe and half on another is no run of either
@@ -515,6 +526,8 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
                     dd.train_run.name)
     elif resume_from is not None:
         changed = []
+        # a run.json written before issue 47 names no held-out rule: its held-out rows were the last ones
+        before = {HELD_OUT_KEY: "the last rows" if before.get("train.eval_fraction") else "none", **before}
         for k, v in now.items():
             if before.get(k, v) != v:
                 then_now = (f"{before[k]} ({record.get('layout', '?')}) then, {v} ({layout}) now"
@@ -549,6 +562,14 @@ def _truncate_records(dd: DataDir, state: TrainingState) -> list[SkippedSample]:
             repair_jsonl(path)
             write_jsonl_atomic(path, [r for r in read_jsonl(path) if after_step(r)])
     return load_skipped_samples(dd.train_skipped)
+
+
+def _logged_tokens(dd: DataDir, step: int) -> int:
+    """The cumulative tokens of the last train record at or before ``step`` (a checkpoint written before
+    TrainingState kept them: the count then misses the steps between that record and the checkpoint)."""
+    records = [r for r in read_jsonl(dd.train_metrics) if r.get("kind") == "train" and r["step"] <= step] \
+        if dd.train_metrics.exists() else []
+    return int(records[-1]["tokens"]) if records else 0
 
 
 def _checkpoint_bytes(model_state: dict, optimizer_state: dict) -> int:
@@ -821,6 +842,10 @@ class TrainingLoop:
                                        resumed_step=state.step if resumed else None, step=state.step)
                             if ranks.main else None)
         self.tokens_seen, self.t0 = 0, time.monotonic()  # this rank's tokens; the logged count is summed over ranks
+        # every rank's tokens before this run (a resume's checkpoint): metrics.jsonl's "tokens" is cumulative over
+        # the whole run, as if it had never stopped (the rate is this run's)
+        self.tokens_before = (state.tokens or on_rank0(ranks, lambda: _logged_tokens(self.dd, state.step))
+                              if resumed else 0)
         self.waited: dict[str, float] = {}  # time the loop waited for the data loader (train_data.device_batches)
         self.window, self.window_steps = None, 0  # this rank's metric sums since the last log line (the logged
         # figures are their means) and the steps they span (after a resume, the steps since the checkpoint)
@@ -937,7 +962,8 @@ class TrainingLoop:
         if self.ranks.main:
             self.metrics_log.write({"kind": "train", "step": self.state.step, "epoch": epoch,
                                     "lr": lr_used, "tokens_per_s": rate,
-                                    "tokens": int(tokens_all), "elapsed_s": time.monotonic() - self.t0,
+                                    "tokens": self.tokens_before + int(tokens_all),
+                                    "elapsed_s": time.monotonic() - self.t0,
                                     "loader_wait_s": self.waited.get("loader_wait_s", 0.0),
                                     "skipped_samples": sum(self.skips.trained.values()),
                                     "rows": int(totals["loss_total"]), "window_steps": self.window_steps, **row,
@@ -1005,13 +1031,16 @@ class TrainingLoop:
     def save(self, at: TrainingState) -> None:
         """A checkpoint of ``at`` (rank 0 writes it, after checking the free space), the old ones pruned."""
         dd, t = self.dd, self.cfg.train
+        # every rank calls save at the same steps (its conditions are global), so the tokens can be summed here
+        _, (tokens_all,) = reduce_metrics(None, [], self.device, [self.tokens_seen], self.ranks.distributed)
+        written = dataclasses.replace(at, tokens=self.tokens_before + int(tokens_all))
 
         def write() -> None:
             folder = dd.checkpoint_step(at.step)
             model_state, opt_state = draft_state(self.model), self.optimizer.state_dict()
             dd.checkpoints.mkdir(parents=True, exist_ok=True)
             check_free_space(dd.checkpoints, _checkpoint_bytes(model_state, opt_state), t.min_free_gb)
-            save_train_checkpoint(folder, model_state, opt_state, self.scheduler.state_dict(), at)
+            save_train_checkpoint(folder, model_state, opt_state, self.scheduler.state_dict(), written)
             log.info("checkpoint %s", folder)
             protect = frozenset(self.best[:1]) if t.export == "best" else frozenset()
             for gone in prune_checkpoints(dd.checkpoints, t.keep_checkpoints, protect):

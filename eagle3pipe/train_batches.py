@@ -173,15 +173,23 @@ def states_reader(manifest, files: Path, dtype: torch.dtype):
     return CheckedFileTransfer(files, manifest), CheckedArrowDataset, dtype
 
 
-def held_out_split(n: int, eval_fraction: float) -> float:
-    """speculators' train_ratio for ``n`` samples: the first int(n x ratio) train, the rest are held out (1.0 = none,
-    with a warning when ``eval_fraction`` asked for some but ``n`` is too small for either side to be non-empty)."""
-    ratio = 1.0 - eval_fraction
-    if eval_fraction > 0 and 0 < int(n * ratio) < n:
-        return ratio
+def split_files(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the files that train, the files held out or None) of ``n`` samples, each in file order: a random share of
+    ``eval_fraction`` (n - int(n x (1 - eval_fraction)) files) drawn with ``seed`` (shared.seed), so that a dataset
+    ordered by source is judged on all of its sources, not on the last one. None (with a warning when some were
+    asked for) when ``n`` is too small for either side to be non-empty."""
+    held = n - int(n * (1.0 - eval_fraction))
+    if eval_fraction > 0 and 0 < held < n:
+        rng = np.random.default_rng([seed, HELD_OUT_STREAM])
+        out = np.zeros(n, dtype=bool)
+        out[rng.permutation(n)[:held]] = True
+        return np.flatnonzero(~out), np.flatnonzero(out)
     if eval_fraction > 0:
         log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * eval_fraction)
-    return 1.0
+    return np.arange(n), None
+
+
+HELD_OUT_STREAM = 0x4E1D  # the held-out draw's own RNG stream: no other draw of shared.seed moves it
 
 
 def check_lengths_fit(lengths, cfg: PipelineConfig) -> None:

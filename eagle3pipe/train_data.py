@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from hs_connectors.transfer import FileTransfer
 from speculators.models.eagle3.data import shift_batch
@@ -92,7 +93,27 @@ class Fp8KeptTransfer(CheckedFileTransfer):
 class CheckedArrowDataset(ArrowDataset):
     """speculators' ArrowDataset (over a ``CheckedFileTransfer``) whose samples are checked as they are read: a file
     whose states are not one row per token id, or whose token ids are not the row's, becomes a ``SkippedFile``
-    naming the file and the reason. A file that is not there stays speculators' (``on_missing``)."""
+    naming the file and the reason. A file that is not there stays speculators' (``on_missing``).
+
+    ``file_indices``: the rows of the rows dataset this split holds, in file order (``train_batches.split_files``:
+    a seeded share held out), where speculators' own split takes a contiguous head and tail; sample i is file
+    ``file_index(i)``."""
+
+    def __init__(self, *args, file_indices=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if file_indices is None:
+            self.file_indices = np.arange(self.start_file_idx, self.start_file_idx + len(self.data))
+        else:
+            self.file_indices = np.asarray(file_indices, dtype=np.int64)
+            self.data = self.data.select(self.file_indices.tolist())
+            self.approx_lengths = self._compute_approx_lengths()
+
+    def _map_to_file_idx(self, index: int) -> int:
+        return int(self.file_indices[index])
+
+    def file_index(self, index: int) -> int:
+        """The file (rows dataset row, hs_{i}) of this split's sample ``index``."""
+        return int(self.file_indices[index])
 
     def _get_raw_data(self, index: int):
         path = self.transfer.path(self._map_to_file_idx(index))
@@ -101,12 +122,12 @@ class CheckedArrowDataset(ArrowDataset):
             if self.transfer.last_read != path:  # no file: on_missing's outcome (online lists its own failures)
                 return sample
             return SkippedFile(reason=f"its token_ids are not the row's input_ids ({self.approx_lengths[index]} "
-                                      "tokens): the states of another row", file=str(path), index=index +
-                               self.start_file_idx)
+                                      "tokens): the states of another row", file=str(path),
+                               index=self._map_to_file_idx(index))
         states, tokens = sample["hidden_states"].shape[0], sample["input_ids"].shape[0]
         if states != tokens:
             return SkippedFile(reason=f"hidden states for {states} tokens, token_ids hold {tokens}: a torn or "
-                                      "altered file", file=str(path), index=index + self.start_file_idx)
+                                      "altered file", file=str(path), index=self._map_to_file_idx(index))
         return sample
 
 

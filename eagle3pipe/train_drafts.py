@@ -119,6 +119,18 @@ class Eagle3Family:
     def row_rng(self, epoch, position: int):  # noqa: ARG002 (EAGLE-3's forward draws nothing at random)
         return nullcontext()
 
+    def new_model(self, d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str):
+        """A new draft at train.* dims on the vocab map (d2t, t2d): what 04 trains without --finetune-from, and
+        what ``run_all.sh --plan`` sizes (built on the meta device: costs.draft_size)."""
+        from . import draft
+
+        s, t = self.cfg.shared, self.cfg.train
+        layer_config = draft.fresh_layer_config(s.verifier, t.draft_num_heads, t.draft_num_kv_heads,
+                                                t.draft_head_dim, t.draft_intermediate_size, s.trust_remote_code)
+        model = draft.build_draft_model(layer_config, verifier=s.verifier, aux_layer_ids=self.cfg.draft_layer_ids,
+                                        d2t=d2t, t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+        return model, layer_config
+
     def identity(self) -> dict:
         return {"train.draft": self.name, "train.draft_layer_ids": self.cfg.draft_layer_ids}
 
@@ -139,6 +151,19 @@ class Eagle3MLAFamily(Eagle3Family):
 
     name = "eagle3_mla"
 
+    def new_model(self, d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str):
+        """A new MLA draft of the verifier's MLA geometry at train.* heads / MLP on the vocab map (d2t, t2d): what 04
+        trains without --finetune-from, and what ``run_all.sh --plan`` sizes (on the meta device: costs.draft_size)."""
+        from . import draft_mla
+
+        s, t = self.cfg.shared, self.cfg.train
+        layer = draft_mla.layer_config(s.verifier, num_heads=t.draft_num_heads,
+                                       intermediate_size=t.draft_intermediate_size,
+                                       trust_remote_code=s.trust_remote_code)
+        model = draft_mla.build_model(layer, verifier=s.verifier, aux_layer_ids=self.cfg.draft_layer_ids, d2t=d2t,
+                                      t2d=t2d, ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+        return model, layer
+
     def build_model(self, attn_impl: str):
         """(model, base config of the export): a fresh draft of the verifier's MLA geometry at train.* heads / MLP,
         or the --finetune-from MLA draft (lightseekorg's published layout or our export) at its own dims, on the
@@ -154,11 +179,7 @@ class Eagle3MLAFamily(Eagle3Family):
         torch.manual_seed(s.seed)  # a fresh draft's initial weights
         try:
             if not t.finetune_from:
-                layer = draft_mla.layer_config(s.verifier, num_heads=t.draft_num_heads,
-                                               intermediate_size=t.draft_intermediate_size,
-                                               trust_remote_code=s.trust_remote_code)
-                model = draft_mla.build_model(layer, verifier=s.verifier, aux_layer_ids=ids, d2t=d2t, t2d=t2d,
-                                              ttt_steps=t.ttt_steps, attn_impl=attn_impl)
+                model, layer = self.new_model(d2t, t2d, attn_impl)
                 log.info("new MLA draft: %d heads, q_lora %s, kv_lora %d, nope / rope / v %d / %d / %d, MLP %d, draft "
                          "vocab %d (vocab/ source: %s)", layer.num_attention_heads, layer.q_lora_rank,
                          layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim,
@@ -237,6 +258,25 @@ class DFlashFamily:
                                  "loss": t.dflash_loss, "position_weight": t.dflash_position_weight,
                                  "gamma": t.dflash_gamma, "mask_token_id": summary.mask_token_id}}
 
+    def new_model(self, d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str, mask_token_id: int = 0):
+        """A new draft at train.* dims on the vocab map (d2t, t2d): what 04 trains without --finetune-from, and
+        what ``run_all.sh --plan`` sizes (built on the meta device: costs.draft_size)."""
+        from . import draft_dflash
+
+        s, t = self.cfg.shared, self.cfg.train
+        layer = draft_dflash.layer_config(s.verifier, num_layers=t.dflash_num_layers, num_heads=t.draft_num_heads,
+                                          head_dim=t.draft_head_dim, num_kv_heads=t.dflash_num_kv_heads,
+                                          intermediate_size=t.draft_intermediate_size,
+                                          trust_remote_code=s.trust_remote_code)
+        if layer.num_attention_heads % layer.num_key_value_heads:
+            raise StageError(f"a DFlash draft of {layer.num_attention_heads} heads cannot share keys/values "
+                             f"among {layer.num_key_value_heads} KV heads: set --dflash-num-kv-heads to a "
+                             "divisor of --draft-num-heads (0 = as many as the heads)")
+        model = draft_dflash.build_model(layer, verifier=s.verifier, layer_ids=self.cfg.draft_layer_ids, d2t=d2t,
+                                         t2d=t2d, block_size=self.block_size, mask_token_id=mask_token_id,
+                                         attn_impl=attn_impl)
+        return model, layer
+
     def build_model(self, attn_impl: str):
         """(model, None): a fresh draft at train.* dims, or the --finetune-from draft (z-lab's or speculators'
         format) at its own dims; on the vocab/ map, with the mask token 03 resolved."""
@@ -253,17 +293,7 @@ class DFlashFamily:
         ids = cfg.draft_layer_ids
         torch.manual_seed(s.seed)  # a fresh draft's initial weights
         if not t.finetune_from:
-            layer = draft_dflash.layer_config(s.verifier, num_layers=t.dflash_num_layers, num_heads=t.draft_num_heads,
-                                              head_dim=t.draft_head_dim, num_kv_heads=t.dflash_num_kv_heads,
-                                              intermediate_size=t.draft_intermediate_size,
-                                              trust_remote_code=s.trust_remote_code)
-            if layer.num_attention_heads % layer.num_key_value_heads:
-                raise StageError(f"a DFlash draft of {layer.num_attention_heads} heads cannot share keys/values "
-                                 f"among {layer.num_key_value_heads} KV heads: set --dflash-num-kv-heads to a "
-                                 "divisor of --draft-num-heads (0 = as many as the heads)")
-            model = draft_dflash.build_model(layer, verifier=s.verifier, layer_ids=ids, d2t=d2t, t2d=t2d,
-                                             block_size=self.block_size, mask_token_id=summary.mask_token_id,
-                                             attn_impl=attn_impl)
+            model, layer = self.new_model(d2t, t2d, attn_impl, summary.mask_token_id)
             log.info("new DFlash draft: %d layers of %d heads x %d (%d KV), MLP %d; block %d (k = %d), %d anchors a "
                      "row; reads layers %s; mask token %r = %d; draft vocab %d", layer.num_hidden_layers,
                      layer.num_attention_heads, layer.head_dim, layer.num_key_value_heads, layer.intermediate_size,

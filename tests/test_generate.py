@@ -430,7 +430,7 @@ def _vocab_door(data_dir, verifier) -> int:
 def _extract_door(data_dir, verifier) -> int:
     argv = ["--data-dir", str(data_dir), "--verifier", str(verifier), "--input", "synthetic", "--hidden-size", "128",
             "--aux-layer-ids", "2", "4", "5", "--device", "cpu", "--model-dtype", "float32"]
-    return run_stage("extract", "02_extract_hidden_states", run_extract, None, argv)
+    return run_stage("extract", "02_extract", run_extract, None, argv)
 
 
 def test_errored_ids_fail_01b_later_stages_refuse_and_a_rerun_retries_exactly_them(tmp_path, toy_llama, toy_meta,

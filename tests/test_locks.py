@@ -85,12 +85,12 @@ def test_second_copy_of_a_stage_refuses_and_a_dead_holder_is_taken_over(tmp_path
 def test_lock_held_from_another_host_is_never_taken_over(tmp_path):
     from eagle3pipe.locks import StageLock, StageLockedError
 
-    path = DataDir(tmp_path).stage_lock("02_extract_hidden_states")
+    path = DataDir(tmp_path).stage_lock("02_extract")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"pid": 1, "host": "gpu-node-7", "started": "2026-12-01T10:00:00",
                                 "command": "python 02_extract_hidden_states.py --config k25.yaml"}))
     try:
-        StageLock(path, "02_extract_hidden_states").acquire()
+        StageLock(path, "02_extract").acquire()
         raise AssertionError("took a lock held from another host")
     except StageLockedError as e:
         assert "pid 1 on gpu-node-7" in str(e) and "another host" in str(e) and str(path) in str(e)
@@ -98,9 +98,11 @@ def test_lock_held_from_another_host_is_never_taken_over(tmp_path):
 
 
 def _run_all_config(tmp_path: Path, verifier: Path, meta: dict) -> Path:
+    # the toy's own dims (issue 47: run_all's disk check sizes the draft 04 would build from them)
     cfg = {"shared": {"data_dir": str(tmp_path / "data"), "verifier": str(verifier),
                       "think_token_id": meta["think_token_id"], "response_token_id": meta["response_token_id"],
-                      "progress_every_s": 0.5},
+                      "progress_every_s": 0.5, "aux_layer_ids": meta["aux_layer_ids"],
+                      "hidden_size": meta["hidden_size"], "vocab_size": meta["vocab_size"], "draft_vocab_size": 256},
            "generate": {"served_model_name": "stub", "min_completion_tokens": 1, "concurrency": 1}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))

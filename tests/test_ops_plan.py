@@ -26,14 +26,14 @@ K25_TEXT_CONFIG = {"model_type": "kimi_k2", "hidden_size": 7168, "num_attention_
                    "num_hidden_layers": 61, "vocab_size": 163840}
 
 
-def _k25_config(tmp_path: Path) -> Path:
-    """configs/kimi_k25.yaml with its paths moved here: the data dir, and a verifier folder holding K2.5's config."""
+def _k25_config(tmp_path: Path, name: str = "kimi_k25") -> Path:
+    """configs/<name>.yaml with its paths moved here: the data dir, and a verifier folder holding K2.5's config."""
     verifier = tmp_path / "Kimi-K2.5"
-    verifier.mkdir()
+    verifier.mkdir(exist_ok=True)
     (verifier / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": K25_TEXT_CONFIG}))
-    raw = yaml.safe_load((REPO / "configs" / "kimi_k25.yaml").read_text())
+    raw = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
     raw["shared"].update(data_dir=str(tmp_path / "data"), verifier=str(verifier))
-    path = tmp_path / "kimi_k25.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -83,7 +83,8 @@ def test_plan_of_the_k25_config_is_the_hand_calculation(tmp_path):
     maps = 8 * s.draft_vocab_size + s.vocab_size  # d2t int64, t2d bool
     checkpoint = 4 * params + 8 * (params - lm_head) + maps  # fp32 weights, AdamW's 2 moments (lm_head frozen)
     assert round(checkpoint / 1e9, 2) == 12.46  # what a real K2.5 checkpoint measured (README 04_train.py)
-    written = steps // t.checkpoint_every
+    written = steps // t.checkpoint_every + 1  # every checkpoint_every steps, and at the end (603 is no multiple)
+    assert steps % t.checkpoint_every
     on_disk = min(t.keep_checkpoints, written) + (1 if written > t.keep_checkpoints else 0)
     train_gb = (on_disk * checkpoint + 2 * params + maps) / 1e9
     hours = t.epochs * trained / (p.train_tokens_per_s * gpus * p.train_scaling) / 3600
@@ -109,7 +110,7 @@ def test_run_all_stops_before_01b_when_the_run_will_not_fit_on_the_disk(tmp_path
     # a checkpoint of 10^6 GB every step: no disk holds the run
     cfg_path = write_config(tmp_path, toy_llama, plan={"checkpoint_gb": 1e6}, train={"checkpoint_every": 1})
     dd = DataDir(tmp_path / "data")
-    args = [str(REPO / "run_all.sh"), "--config", str(cfg_path), "--vllm-url", "http://127.0.0.1:9"]
+    args = [str(REPO / "run_all.sh"), "--config", str(cfg_path), "--vllm-url", "http://127.0.0.1:9", "--to", "04"]
     res = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "01_prepare: finished" in res.stderr  # 01 ran: the plan counts its questions
@@ -125,3 +126,110 @@ def test_run_all_stops_before_01b_when_the_run_will_not_fit_on_the_disk(tmp_path
     res = subprocess.run([*args[:2], str(forced), *args[3:]], capture_output=True, text=True, timeout=600)
     assert "extract.force_disk is set: starting anyway" in res.stdout + res.stderr
     assert "01b_generate: running" in res.stderr  # (and fails: nothing listens on port 9)
+
+
+def _plan(argv: list[str], capsys) -> tuple[int, str]:
+    """``python -m eagle3pipe.costs`` (run_all.sh --plan execs it), in this process: (exit status, stdout + stderr)."""
+    from eagle3pipe.costs import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_plan_sizes_the_dflash_draft_04_builds_and_marks_its_rate_unmeasured(tmp_path, monkeypatch, capsys):
+    """Issue 47: --plan sized a DFlash draft with EAGLE-3's formula (1,116 M trained parameters, 14.3 GB a checkpoint)
+    and priced its hours at EAGLE-3's measured rate without saying so. By hand, from z-lab's K2.5 DFlash layout that
+    configs/kimi_k25_dflash.yaml asks for, and against speculators' DFlashDraftModel built on the meta device."""
+    import torch
+    from speculators.models.dflash import DFlashDraftModel
+
+    from eagle3pipe.costs import draft_size
+    from eagle3pipe.draft import VERIFIER_OWNED_KEYS
+
+    cfg_path = _k25_config(tmp_path, "kimi_k25_dflash")
+    c = load_config(cfg_path)
+    s, t = c.shared, c.train
+    h, heads, kv, hd, mlp, n = s.hidden_size, t.draft_num_heads, t.dflash_num_kv_heads, t.draft_head_dim, \
+        t.draft_intermediate_size, t.dflash_num_layers
+    layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd + 3 * h * mlp + 2 * h  # q k v o, q/k norm, MLP
+    fc = h * len(c.draft_layer_ids) * h
+    lm_head = s.draft_vocab_size * h
+    params = n * layer + fc + 2 * h + lm_head  # + hidden_norm and norm
+    trained = params - lm_head  # lm_head frozen (train.train_lm_head false)
+    assert round(trained / 1e6) == 3479 and round(params / 1e6) == 3709
+    maps = 8 * s.draft_vocab_size + s.vocab_size
+    checkpoint = 4 * params + 8 * trained + maps
+    assert round(checkpoint / 1e9, 1) == 42.7
+
+    size = draft_size(c)
+    assert (size.family, size.params, size.trainable, size.checkpoint_bytes) == ("dflash", params, trained, checkpoint)
+    # the same model built by speculators alone on the meta device (its own from_training_args path: the count
+    # does not rest on our build)
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    layer_cfg = Qwen3Config(hidden_size=h, intermediate_size=mlp, num_hidden_layers=n, num_attention_heads=heads,
+                            num_key_value_heads=kv, head_dim=hd, vocab_size=s.vocab_size)
+    with torch.device("meta"):
+        model = DFlashDraftModel(DFlashSpeculatorConfig(
+            transformer_layer_config=layer_cfg, draft_vocab_size=s.draft_vocab_size, block_size=8, mask_token_id=0,
+            aux_hidden_state_layer_ids=c.draft_layer_ids,
+            speculators_config=SpeculatorsConfig(
+                algorithm="dflash", default_proposal_method="greedy",
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=7)],
+                verifier=VerifierConfig(name_or_path=None, architectures=[]))))
+    own = sum(v.numel() for k, v in model.state_dict().items() if k not in VERIFIER_OWNED_KEYS
+              and v.is_floating_point())
+    assert own == params
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    code, out = _plan(["--config", str(cfg_path)], capsys)
+    assert code == 0, out
+    table = _table(out)
+    steps = int(re.search(r"(\d+) steps on 8 process", out).group(1))
+    written = steps // t.checkpoint_every + (1 if steps % t.checkpoint_every else 0)
+    on_disk = min(written, t.keep_checkpoints + 1)
+    assert table["04_train"][2] == round((on_disk * checkpoint + 2 * params + maps) / 1e9, 1)
+    assert f"dflash draft: {params / 1e6:,.0f} M parameters, {trained / 1e6:,.0f} M trained" in out
+    assert "27700 tok/s a process (EAGLE-3's, measured on one H200; NOT MEASURED for a dflash draft)" in out
+    assert "extract_tokens_per_s 16000 (projected)" in out and "packing_fill 0.927 (measured)" in out
+
+
+def test_plan_on_a_node_without_gpus_and_without_the_verifier(tmp_path, monkeypatch, capsys):
+    """A login node: no GPU visible, so 04 is planned on the GPUs of the node the config's servers ask for (8 for
+    K2.5), saying so; without the verifier's config.json the checkpoints cannot be sized: the plan says so where the
+    disk is given, and the disk check before 01b refuses rather than passing a run that stops days later."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cfg_path = _k25_config(tmp_path)
+    code, out = _plan(["--config", str(cfg_path)], capsys)
+    assert code == 0, out
+    assert "steps on 8 process(es) (NO GPU VISIBLE HERE: planned on the 8 GPUs of the node" in out
+    assert re.search(r"^04 on 8 process\(es\): NO GPU VISIBLE HERE", out, re.M)
+
+    (tmp_path / "Kimi-K2.5" / "config.json").unlink()
+    code, out = _plan(["--config", str(cfg_path)], capsys)
+    assert code == 0 and re.search(r"^DISK NOT COUNTED: 04's checkpoints \(\d+ written, \d+ on disk at once\): the "
+                                   r"eagle3 draft cannot be sized without the verifier's config.json", out, re.M), out
+    code, out = _plan(["--config", str(cfg_path), "--check-disk"], capsys)
+    assert code == 2 and "error: the plan cannot size 04's checkpoints" in out
+
+
+def test_plan_sizes_the_mla_draft_04_builds(tmp_path):
+    """Issue 48: configs/kimi_k25_mla.yaml's draft (train.draft eagle3_mla) is sized from the model 04 builds
+    (Eagle3MLAFamily.new_model on the meta device), equal to the independent count from its exported tensor shapes
+    (draft_mla.parameter_counts: the layout vLLM's Eagle3DeepseekV2ForCausalLM loads)."""
+    from eagle3pipe import draft_mla
+    from eagle3pipe.costs import draft_size
+
+    path = _k25_config(tmp_path, "kimi_k25_mla")
+    release = {**K25_TEXT_CONFIG, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128}  # K2.5's MLA (REFERENCE.md)
+    (tmp_path / "Kimi-K2.5" / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": release}))
+    c = load_config(path)
+    assert c.train.draft == "eagle3_mla"
+    size = draft_size(c)
+    assert size.family == "eagle3_mla"
+    assert (size.params, size.trainable) == draft_mla.parameter_counts(c)

@@ -203,3 +203,110 @@ def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_
     assert missing.status == "FAIL" and "http://node2:8000" in missing.message and "VLLM_API_KEY" in missing.message
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     assert check_api_keys(remote).status == "ok"
+
+
+def test_check_resolves_a_dflash_run_s_mask_token_and_says_dflash_on_vllm_before_0_29_is_untried(tmp_path, toy_llama):
+    """Issue 47: a DFlash run's vocab.mask_token was first checked by 03, after 01b and 02 had run; --check now
+    resolves it as 03 does (the same names refused, the same id found). And on vLLM's GPU builds 0.26-0.28 a DFlash
+    draft gets the same warning as an EAGLE-3 one (05 serves it on FlexAttention), saying that route is untried."""
+    from eagle3pipe.doctor import check_mask_token, check_vllm
+    from eagle3pipe.vocab import resolve_mask_token
+    from tests.test_draft_fixtures import TOY_MASK_ID, TOY_MASK_TOKEN
+
+    def cfg(**vocab):
+        return load_config(_toy_config(tmp_path, shared={"verifier": str(toy_llama)}, train={"draft": "dflash"},
+                                       vocab=vocab, extract={"backend": "vllm"}))
+
+    ok = check_mask_token(cfg(mask_token=TOY_MASK_TOKEN))
+    assert ok.status == "ok" and f"id {TOY_MASK_ID}" in ok.message
+    assert resolve_mask_token(cfg(mask_token=TOY_MASK_TOKEN))[1] == TOY_MASK_ID  # what 03 writes
+    bad = check_mask_token(cfg(mask_token="[NO_SUCH]"))
+    assert bad.status == "FAIL" and "vocab.mask_token '[NO_SUCH]': no token of that name" in bad.message
+    with pytest.raises(Exception, match="no token of that name"):  # 03's own refusal, the same words
+        resolve_mask_token(cfg(mask_token="[NO_SUCH]"))
+    eagle3 = load_config(_toy_config(tmp_path, shared={"verifier": str(toy_llama)}, vocab={"mask_token": "[NO_SUCH]"}))
+    assert check_mask_token(eagle3).status == "skip"  # an EAGLE-3 run has no mask token
+
+    python = fake_vllm_env(tmp_path / "vllm-0.26", "0.26.0", dist="vllm")
+    warned = check_vllm(cfg(mask_token=TOY_MASK_TOKEN), str(python), gpus_visible=0)
+    assert warned.status == "warn" and "a dflash draft" in warned.message and "vllm#53336" in warned.message
+    assert "a DFlash draft served so has not run on a GPU yet" in warned.message
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# an interpreter that only makes venvs (-m venv [--clear] DIR) whose pip is the fake below
+[ "$1" = -m ] && [ "$2" = venv ] || exit 3
+dir="${@: -1}"
+mkdir -p "$dir/bin"
+cp "$FAKE_PIP" "$dir/bin/pip"
+"""
+FAKE_PIP = """#!/usr/bin/env bash
+# pip: "install --upgrade pip" returns at once; .venv's next install records its pid and takes ten minutes (torch);
+# .venv-vllm's does what $FAKE_VLLM_PIP says once .venv's is under way: fail (exit 1) or wait
+venv="$(basename "$(cd "$(dirname "$0")/.." && pwd)")"
+case " $* " in *" --upgrade pip "*) exit 0 ;; esac
+if [ "$venv" = .venv ]; then echo $$ >> "$PIP_PIDS"; exec sleep 600; fi
+while [ ! -s "$PIP_PIDS" ]; do sleep 0.1; done
+[ "$FAKE_VLLM_PIP" = fail ] && exit 1
+echo $$ >> "$PIP_PIDS"
+exec sleep 600
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["a failed pip", "SIGTERM", "SIGKILL"])
+def test_setup_env_leaves_no_pip_behind_however_it_ends(tmp_path, how):
+    """Issue 47: killed or failing, setup_env.sh left its background pip installing into .venv after it had exited.
+    On a copy of the script with fake interpreters (nothing is installed): .venv's pip runs in the background while
+    .venv-vllm's fails, or while it runs setup_env.sh is stopped by SIGTERM (`kill PID`) or SIGKILL; within
+    seconds no pip of it runs (.venv's nor .venv-vllm's)."""
+    import signal
+    import time
+
+    repo = _repo_copy(tmp_path / "repo")
+    for name, text in (("python", FAKE_PYTHON), ("pip", FAKE_PIP)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    pids = tmp_path / "pip.pids"
+    env = {**os.environ, "PYTHON": str(tmp_path / "python"), "FAKE_PIP": str(tmp_path / "pip"),
+           "PIP_PIDS": str(pids), "FAKE_VLLM_PIP": "fail" if how == "a failed pip" else "wait"}
+    log = tmp_path / "setup.out"  # a file, not a pipe: a pip left behind would hold a pipe open
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([str(repo / "scripts" / "setup_env.sh"), "--cpu", "--vllm"], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pip = int(pids.read_text().split()[0])  # it started (a failed .venv-vllm pip may have ended it already)
+        if how != "a failed pip":
+            assert _alive(pip), "the background pip never started"
+            while len(pids.read_text().split()) < 2 and time.monotonic() < deadline:  # .venv-vllm's pip runs too
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
+        proc.wait(timeout=60)
+        out = log.read_text()
+        assert proc.returncode != 0, out
+        started = list(map(int, pids.read_text().split()))
+        assert len(started) == (1 if how == "a failed pip" else 2)
+        deadline = time.monotonic() + 10  # the guard looks once a second (SIGKILL)
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in started if _alive(p)]
+        if how == "SIGKILL":  # nothing can stop the foreground install of a script killed so; its own pip is
+            left = [p for p in left if p == pip]  # the one the issue is about (.venv's, in the background)
+        assert not left, f"pip(s) {left} still run after setup_env.sh ended by {how}:\n{out}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in map(int, pids.read_text().split()) if pids.exists() else ():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

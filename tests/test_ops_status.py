@@ -27,14 +27,14 @@ from watch import wait_until
 REPO = Path(__file__).resolve().parents[1]
 
 
-def status(cfg_path: Path) -> tuple[dict, str]:
-    """(the JSON view by stage name, the table as printed by run_all.sh --status)."""
-    env = {**os.environ}
-    table = subprocess.run([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--status"], capture_output=True,
-                           text=True, env=env, timeout=120, check=True).stdout
-    view = json.loads(subprocess.run([sys.executable, "-m", "eagle3pipe.status", "--config", str(cfg_path), "--json"],
-                                     capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout)
-    return view, table
+def status(cfg_path: Path, *flags: str) -> tuple[dict, str]:
+    """(the JSON view, from run_all.sh --status --json, the table as printed by run_all.sh --status ``flags``)."""
+    def run(*extra: str) -> str:
+        return subprocess.run([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--status", *extra],
+                              capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable},
+                              timeout=120, check=True).stdout
+
+    return json.loads(run("--json")), run(*flags)
 
 
 def by_stage(view: dict) -> dict[str, dict]:
@@ -131,7 +131,7 @@ def test_status_while_01b_runs_after_it_is_killed_fails_and_finishes(tmp_path, t
 
         assert run_script_here("01b_generate_synthetic.py", ["--config", cfg_path, "--vllm-url", stub.url,
                                                              "--max-error-share", "0.1"])[0] == 0
-    done, table = status(cfg_path)
+    done, table = status(cfg_path, "--drops")  # issue 47: run_all.sh refused --drops and --json
     st = by_stage(done)["01b_generate"]
     assert st["state"] == "done" and (st["done"], st["total"]) == (30, 30)
     # one list of drops, counted against each stage's own file
@@ -146,6 +146,8 @@ def test_status_while_01b_runs_after_it_is_killed_fails_and_finishes(tmp_path, t
     assert left_out == [("q001", "empty_reasoning")] and [e["id"] for e in errors] == ["q000"]
     assert f"dropped: {len(drops)} samples in all" in table
     assert "01b_generate  http_5xx" in table and "synthetic/errors.jsonl (first: q000)" in table
+    listed = [line.split("\t") for line in table.splitlines() if line.count("\t") == 4]  # --drops: one line each
+    assert [(d["stage"], d["id"], d["reason"]) for d in drops] == [(x[0], x[1], x[2]) for x in listed]
 
 
 # Bad rows stage 01 drops, with their reasons: the finished run below appends them to its chats before it starts.

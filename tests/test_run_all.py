@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -82,6 +83,8 @@ def _run_all(*args: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama):
+    from test_ops_status import status
+
     cfg_path = write_config(tmp_path, toy_llama)
     dd = DataDir(tmp_path / "data")
     extract_log = Path(next(r for r in plan(str(cfg_path), [], REPO, allow_human_answers=True)
@@ -89,13 +92,22 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
     proc = subprocess.Popen([str(REPO / "run_all.sh"), "--config", str(cfg_path), "--to", "02_extract",
                              "--allow-human-answers"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:  # until stage 02 has parsed its config and started working
-        wait_until(extract_log.exists, proc, "stage 02 log", poll_s=0.2)
+
+    def journals() -> list[str]:
+        return [line for j in dd.hs_work.glob("shard_*/done.jsonl") for line in j.read_text().splitlines()]
+
+    try:  # until stage 02 has journalled samples: run_all.sh --status then shows it running, with its progress
+        wait_until(lambda: extract_log.exists() and journals(), proc, "a sample journalled by stage 02", poll_s=0.05)
+        view, table = status(cfg_path)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # run_all.sh, the stage and tee, as a crash or `kill -9` would
         proc.wait()
     assert dd.stage_marker("01_prepare").read_text().strip()
     assert not dd.stage_marker("02_extract").exists(), "stage 02 finished before the kill: nothing was tested"
+    st = {s["name"]: s for s in view["stages"]}["02_extract"]
+    assert st["state"] == "running" and st["detail"].startswith("pid "), st  # issue 47: not "not started"
+    assert st["unit"] == "samples" and st["total"] == 40 and 1 <= st["done"] <= 40, st  # journalled of the rows
+    assert re.search(r"^02_extract\s+running\s+\d+/40 samples", table, re.M), table
     prepared_mtime = dd.prepared_data.stat().st_mtime_ns
 
     done = _run_all("--config", str(cfg_path), "--to", "02_extract", "--allow-human-answers")
@@ -120,7 +132,7 @@ def test_killed_in_stage_02_then_restarted_does_not_redo_01(tmp_path, toy_llama)
 def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama):
     cfg_path = write_config(tmp_path, toy_llama, prepare={"dataset": [str(tmp_path / "no_such.jsonl")]})
     dd = DataDir(tmp_path / "data")
-    res = _run_all("--config", str(cfg_path), "--allow-human-answers")
+    res = _run_all("--config", str(cfg_path), "--to", "04_train", "--allow-human-answers")
     assert res.returncode != 0
     assert f"FAILED at stage 01_prepare (exit status {res.returncode}): " in res.stderr
     assert "no_such.jsonl" in res.stderr.split("FAILED at stage 01_prepare")[1]  # the stage's own error, named
@@ -129,9 +141,29 @@ def test_first_failing_stage_stops_the_run_and_names_its_log(tmp_path, toy_llama
     assert not dd.stage_marker("01_prepare").exists()
     assert "no_such.jsonl" in (dd.logs / "run_all.log").read_text()  # the stage's own error is in the run log
     # --from 02: 01 (which would fail again) is not run; 02 is, and fails on its own missing input
-    res = _run_all("--config", str(cfg_path), "--from", "02", "--allow-human-answers")
+    res = _run_all("--config", str(cfg_path), "--from", "02", "--to", "04", "--allow-human-answers")
     assert "01_prepare: before --from 02, not run" in res.stderr and "FAILED at stage 01_prepare" not in res.stderr
     assert "02_extract: running" in res.stderr and "FAILED at stage 02_extract" in res.stderr
+
+
+def test_every_stage_run_all_will_run_checks_its_settings_before_the_first_starts(tmp_path):
+    """Issue 47: without evaluate.prompts / benchmarks, 05 refused only once 01-04 had run (hours on K2.5). Now the
+    whole run stops before 01, naming 05's own error; a run that stops before 05 (--to) or leaves 05 out is not
+    held back by it, and one 05 accepts runs."""
+    cfg_path = write_config(tmp_path, tmp_path / "verifier")
+    dd = DataDir(tmp_path / "data")
+    res = _run_all("--config", str(cfg_path), "--allow-human-answers")
+    assert res.returncode == 2
+    assert ("stage 05_evaluate would refuse this config, so nothing was started: evaluate.prompts and "
+            "evaluate.benchmarks are empty") in res.stderr
+    assert not dd.log_file("01_prepare").exists()  # nothing ran
+    from eagle3pipe.run_all import check_stages
+
+    stages = [n for n, _, _ in STAGES if n != "01b_generate"]
+    check_stages(str(cfg_path), [], stages[:-1])  # --to 04_train: 05's settings are not its business
+    with pytest.raises(ConfigError, match="stage 04_train would refuse"):
+        check_stages(str(write_config(tmp_path, tmp_path / "verifier", train={"epochs": 0})), [], stages[:-1])
+    check_stages(str(write_config(tmp_path, tmp_path / "verifier", evaluate={"benchmarks": ["gsm8k"]})), [], stages)
 
 
 def test_unknown_stage_name_is_refused(tmp_path):
@@ -251,6 +283,7 @@ def test_killed_in_stage_04_the_printed_command_continues_the_run_to_the_uninter
     assert killed_at < len(fresh_steps)
     for x, y in zip(fresh_steps, resumed_steps):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), x["step"]
+        assert x["tokens"] == y["tokens"], x["step"]  # issue 47: the count went on, not from 0
     fresh_draft = load_file(str(dd.final_checkpoint / "model.safetensors"))
     assert set(fresh_draft) == set(resumed_draft)
     for k in fresh_draft:
@@ -262,3 +295,31 @@ def _run_all_command(command: str) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
         res = run_watched(["bash", "-c", command], log_file=Path(tmp) / "run_all.out", stall_s=300)
     return subprocess.CompletedProcess(res.args, res.returncode, res.stdout, res.stdout)
+
+
+def test_every_stage_logs_and_locks_under_its_run_all_name(tmp_path, monkeypatch):
+    """Issue 47: each door's log and lock name (what it passes to cli.run_stage) is its run_all stage name, which
+    run_all.sh's plan names its log after and --status looks for (02 once logged as 02_extract_hidden_states, and
+    --status showed it "not started" for the whole of its run)."""
+    import runpy
+
+    import eagle3pipe.cli
+
+    passed = {}
+
+    def record(stage, log_name, fn, description, argv=None):  # noqa: ARG001 (the door's own call, recorded)
+        cfg = load_config(write_config(tmp_path, tmp_path / "verifier"))
+        passed[stage] = log_name(cfg) if callable(log_name) else log_name
+        return 0
+
+    monkeypatch.setattr(eagle3pipe.cli, "run_stage", record)
+    for name, pattern, section in STAGES:
+        script = next(p for p in REPO.glob(pattern) if p.name.split("_", 1)[0] == name.split("_", 1)[0])
+        with pytest.raises(SystemExit):
+            runpy.run_path(str(script), run_name="__main__")
+        assert passed.pop(section) == name, script.name
+        # each door runs as ./NN_name.py too (01 and 05 did; 01b-04 were not executable, 02 had no #! line)
+        assert os.access(script, os.X_OK) and script.read_text().startswith("#!/usr/bin/env python3\n"), script.name
+    rows = plan(str(write_config(tmp_path, tmp_path / "verifier")), ["http://127.0.0.1:1"], REPO)
+    assert {r["name"]: r["log"] for r in rows} == {r["name"]: str(DataDir(tmp_path / "data").log_file(r["name"]))
+                                                   for r in rows}

@@ -27,10 +27,9 @@ from eagle3pipe.train_metrics import ACCEPTANCE_KEY, simulated_acceptance_length
 from eagle3pipe.vocab import run_vocab
 from tests.test_draft_fixtures import make_rows, toy_config, write_hidden_states, write_rows
 
-# the monitored run: 3 epochs of 4 steps (19 training samples, 5 held out, rows of 256 tokens)
+# the monitored run: 3 epochs of ~4 steps (19 training samples, 5 held out, rows of 256 tokens)
 MONITORED = dict(epochs=3, log_every=2, eval_every_steps=5, learning_rate=3e-2, checkpoint_every=4,
                  keep_checkpoints=1, export="best", report_to=["tensorboard", "wandb"], cpu_threads=1)
-STEPS = 12
 
 
 def _prepare(data_dir: Path, verifier: Path, rows=None, **train):
@@ -148,7 +147,14 @@ def monitored(toy_llama, tmp_path_factory):
         finally:
             package_log.removeHandler(handler)
             package_log.setLevel(level)
-    return {"dir": root, "cfg": cfg, "drawn": drawn, "lines": lines}
+    # the run's steps, from the packing of its training split (one packed row a step on one process)
+    from eagle3pipe.train import build_data
+    from eagle3pipe.train_batches import packed_batches
+
+    train_ds = build_data(cfg, torch.device("cpu"))[0]
+    steps = sum(len(packed_batches(train_ds, cfg.train.total_seq_len, cfg.shared.seed, e))
+                for e in range(cfg.train.epochs))
+    return {"dir": root, "cfg": cfg, "drawn": drawn, "lines": lines, "steps": steps}
 
 
 def test_tensorboard_and_wandb_hold_every_metric_of_metrics_jsonl(monitored):
@@ -179,7 +185,8 @@ def test_tensorboard_and_wandb_hold_every_metric_of_metrics_jsonl(monitored):
 
 def test_evaluations_every_n_steps_carry_the_simulated_acceptance_length(monitored):
     evals = _records(monitored["dir"], "eval")
-    assert [r["step"] for r in evals] == [5, 10, STEPS]  # every 5 steps and after the run's last step
+    last_step = monitored["steps"]
+    assert [r["step"] for r in evals] == [5, 10, last_step]  # every 5 steps and after the run's last step
     for r in evals:
         # independently: the per-position conditional accuracies from the logged cumulative ones (acc@k = P(the
         # first k draft tokens right)), then SpecForge's / TorchSpec's geometric sum, plus vLLM's bonus token
@@ -229,27 +236,27 @@ def test_simulated_acceptance_length_reads_cumulative_and_conditional_accuracies
 
 
 def test_curves_are_redrawn_at_each_evaluation(monitored):
-    drawn = monitored["drawn"]
+    drawn, last_step = monitored["drawn"], monitored["steps"]
     png = b"\x89PNG\r\n\x1a\n"
     # one drawing right after each evaluation (its record already in metrics.jsonl), then the export's
-    assert [steps for steps, _ in drawn] == [[5], [5, 10], [5, 10, STEPS], [5, 10, STEPS]]
+    assert [steps for steps, _ in drawn] == [[5], [5, 10], [5, 10, last_step], [5, 10, last_step]]
     assert all(head == png for _, head in drawn)
 
 
 def test_export_best_exports_the_checkpoint_it_names_and_keeps_it(monitored):
-    dd = DataDir(monitored["dir"])
+    dd, last_step = DataDir(monitored["dir"]), monitored["steps"]
     evals = _records(monitored["dir"], "eval")
     best = max(evals, key=lambda r: (r[ACCEPTANCE_KEY], -r["step"]))  # the earliest of equals
-    assert best["step"] != STEPS  # the premise: the best is not the last (lr 3e-2 overshoots on the toy)
+    assert best["step"] != last_step  # the premise: the best is not the last (lr 3e-2 overshoots on the toy)
     saved = [s for s, _ in list_train_checkpoints(dd.checkpoints)]
-    assert best["step"] in saved and saved[-1] == STEPS and len(saved) == 2  # keep_checkpoints 1, plus the best
+    assert best["step"] in saved and saved[-1] == last_step and len(saved) == 2  # keep_checkpoints 1, plus the best
     prov = read_provenance(dd.provenance(dd.checkpoints))
-    assert prov["counts"]["steps"] == best["step"] and prov["counts"]["trained_steps"] == STEPS
+    assert prov["counts"]["steps"] == best["step"] and prov["counts"]["trained_steps"] == last_step
     assert prov["counts"][ACCEPTANCE_KEY] == best[ACCEPTANCE_KEY]
     # the export's tensors are that checkpoint's (speculators names -> the flat layout's)
     exported = load_file(str(dd.final_checkpoint / "model.safetensors"))
     best_state = load_train_checkpoint(dd.checkpoint_step(best["step"]))[0]
-    last_state = load_train_checkpoint(dd.checkpoint_step(STEPS))[0]
+    last_state = load_train_checkpoint(dd.checkpoint_step(last_step))[0]
     torch.testing.assert_close(exported["fc.weight"], best_state["fc.weight"].to(exported["fc.weight"].dtype))
     assert not torch.equal(best_state["fc.weight"], last_state["fc.weight"])
 

@@ -52,7 +52,7 @@ from memory_bound import in_a_fresh_process
 from eagle3pipe.cli import StageError
 from eagle3pipe.config import load_config
 from eagle3pipe.extract import run_extract
-from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl
+from eagle3pipe.records import DataDir, load_hidden_states, read_jsonl, write_jsonl_atomic
 from eagle3pipe.train import run_train
 from eagle3pipe.vocab import run_vocab
 
@@ -851,12 +851,10 @@ def test_a_real_server_sigkilled_mid_epoch_and_restarted_on_its_port(storage, to
 
 
 def step_tokens(records: list[dict]) -> list[int]:
-    """Each step's trained tokens, from the logged running count (it starts again at 0 in a resumed process: the
-    first step after the checkpoint of ``records[-1]["resumed_after"]``, when given)."""
+    """Each step's trained tokens, from the logged running count (cumulative over the whole run, a --resume
+    included: issue 47; it once started again at 0 in a resumed process)."""
     out, before = [], 0
     for r in records:
-        if r["step"] == r.get("resumed_after", -1) + 1:
-            before = 0
         out.append(r["tokens"] - before)
         before = r["tokens"]
     return out
@@ -897,7 +895,8 @@ def test_a_real_server_killed_for_good_stops_before_the_step_and_resume_trains_i
     assert listed and all(r["reason"].startswith("retryable: ") and r["step"] > stopped_at for r in listed)
     code, stderr = run_04_here([server.url if x == victim.url else x for x in argv] + ["--resume"])
     assert code == 0, stderr[-3000:]
-    records = [dict(r, resumed_after=stopped_at) for r in metrics(d, "train")]
+    records = metrics(d, "train")
+    assert [r["tokens"] for r in records] == [r["tokens"] for r in steps_a]  # the count goes on across the resume
     print(f"\nserver killed for good after step {trained[0]['step']}; 04 stopped after step {stopped_at} with "
           f"{len(listed)} samples listed; resumed: {sum(step_tokens(records))} tokens trained, uninterrupted "
           f"{sum(step_tokens(steps_a))}")
@@ -1087,3 +1086,27 @@ def test_online_start_up_holds_tens_of_bytes_a_row(tmp_path, toy_llama):
     assert manifest.num_samples == len(train_ds) + len(val_ds) == 16000
     assert manifest.num_tokens == sum(len(r["input_ids"]) for r in rows)
     assert train_ds.online_rows[12345].input_ids == rows[12345]["input_ids"]
+
+    # issue 47: the rows dataset holds each row as written (speculators reads it: datasets' own reader here), and a
+    # --resume or a later run over the same rows keeps it instead of writing it again (~0.9 s per 10^6 tokens)
+    from datasets import load_from_disk
+
+    from eagle3pipe.records import HS_ROWS_IDENTITY_FILE
+
+    dd = DataDir(tmp_path / "run2")
+    written = load_from_disk(str(dd.train_spool_rows)).with_format(None)
+    assert written.features["input_ids"].feature.dtype == "int32" and written["seq_len"] == \
+        [len(r["input_ids"]) for r in rows]
+    assert written["input_ids"] == [r["input_ids"] for r in rows] and written["loss_mask"] == \
+        [r["loss_mask"] for r in rows]
+    stamps = {p.name: p.stat().st_mtime_ns for p in dd.train_spool_rows.iterdir()}
+    again, _, _ = build_online_data(make_cfg(tmp_path / "run2", toy_llama, ["http://127.0.0.1:9"],
+                                             data_source="online", eval_fraction=0.1), torch.device("cpu"))
+    assert {p.name: p.stat().st_mtime_ns for p in dd.train_spool_rows.iterdir()} == stamps  # kept, not rewritten
+    assert len(again) == len(train_ds)
+    rows[3]["input_ids"][0] = (rows[3]["input_ids"][0] + 1) % 1000  # the rows file rewritten with one token changed
+    write_jsonl_atomic(dd.prepared_data, rows)
+    build_online_data(make_cfg(tmp_path / "run2", toy_llama, ["http://127.0.0.1:9"], data_source="online",
+                               eval_fraction=0.1), torch.device("cpu"))
+    assert (dd.train_spool_rows / HS_ROWS_IDENTITY_FILE).stat().st_mtime_ns != stamps[HS_ROWS_IDENTITY_FILE]
+    assert load_from_disk(str(dd.train_spool_rows)).with_format(None)[3]["input_ids"] == rows[3]["input_ids"]

@@ -29,12 +29,19 @@ def tiny_rows(num_rows: int, epoch: int) -> PackedRows:
     return PackedRows(samples, np.arange(0, num_rows * SAMPLES_A_ROW + 1, SAMPLES_A_ROW, dtype=np.int64))
 
 
+class Split(SimpleNamespace):
+    """A split's stand-in as the plan reads it (train_data.CheckedArrowDataset): lengths, and each sample's file."""
+
+    def file_index(self, i: int) -> int:
+        return int(self.file_indices[i])
+
+
 def datasets(num_rows: int):
     n = num_rows * SAMPLES_A_ROW
-    train = SimpleNamespace(approx_lengths=[8 + i % 9 for i in range(n)], start_file_idx=0,
-                            hidden_states_dtype=torch.bfloat16, online_rows=None)
-    val = SimpleNamespace(approx_lengths=[8 + i % 9 for i in range(EVAL_SAMPLES)], start_file_idx=n,
-                          hidden_states_dtype=torch.bfloat16, online_rows=None)
+    train = Split(approx_lengths=[8 + i % 9 for i in range(n)], file_indices=np.arange(n),
+                  hidden_states_dtype=torch.bfloat16, online_rows=None)
+    val = Split(approx_lengths=[8 + i % 9 for i in range(EVAL_SAMPLES)], file_indices=np.arange(n, n + EVAL_SAMPLES),
+                hidden_states_dtype=torch.bfloat16, online_rows=None)
     return train, val
 
 
@@ -132,7 +139,7 @@ def test_the_online_plan_is_made_row_by_row_in_the_run_order_with_the_cache_role
 
     def file_bytes(held_out, i):
         dataset = source.val_dataset if held_out else source.dataset
-        return dataset.start_file_idx + i, source.row_bytes([i], dataset)
+        return dataset.file_index(i), source.row_bytes([i], dataset)
 
     reads = list(job_reads(every_rank, eval_rows, accum))
     owners, roles, _ = reference_cache_plan(reads, file_bytes, source.cache_budget)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from eagle3pipe.cli import run_stage
 from eagle3pipe.records import DataDir, read_jsonl
@@ -165,3 +166,123 @@ def test_resume_with_max_steps_already_reached_has_nothing_to_do_and_keeps_the_e
         assert f"is at step {epoch_steps}, --max-steps {max_steps}: nothing left to train" in log
         assert (dd.final_checkpoint / "model.safetensors").read_bytes() == at_end
     assert [r["step"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == trained
+
+
+def test_after_resume_the_cumulative_token_count_goes_on_as_in_the_uninterrupted_run(tmp_path, toy_llama):
+    """Issue 47: metrics.jsonl's cumulative "tokens" started again from 0 after --resume (an online run resumed at
+    step 12 read 387 at step 13 where the uninterrupted run read 5,100), so every curve drawn from it was wrong. A
+    run stopped at step 1 and resumed twice (once from a checkpoint written before TrainingState kept the count,
+    which falls back on the last logged record) logs the uninterrupted run's counts at every step."""
+    import json
+
+    _prepare(tmp_path, toy_llama, make_rows(16, seed=11))
+    dd = DataDir(tmp_path)
+    argv = _door(tmp_path, toy_llama, "--log-every", "1", "--epochs", "1")
+    assert run_stage("train", "04_train", run_train, None, argv) == 0
+    whole = [(r["step"], r["tokens"]) for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+    assert len(whole) >= 3 and all(b[1] > a[1] for a, b in zip(whole, whole[1:]))
+    assert run_stage("train", "04_train", run_train, None, argv + ["--overwrite", "--max-steps", "1"]) == 0
+    state = json.loads((dd.checkpoint_step(1) / "training_state.json").read_text())
+    assert state["tokens"] == whole[0][1]  # the checkpoint keeps the count
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume", "--max-steps", "2"]) == 0
+    older = dd.checkpoint_step(2) / "training_state.json"  # as a checkpoint of an earlier version
+    older.write_text(json.dumps({k: v for k, v in json.loads(older.read_text()).items() if k != "tokens"}))
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume"]) == 0
+    assert [(r["step"], r["tokens"]) for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == whole
+
+
+def test_held_out_rows_are_a_seeded_share_of_every_part_of_the_rows(tmp_path, toy_llama, capsys):
+    """Issue 47: the held-out rows were the last eval_fraction of the rows file, so for rows ordered by source the
+    held-out score (and train.export best) judged one source. They are now a share drawn with shared.seed: the same
+    for the same seed, another for another, spread over the file, the two splits complementary; 04's datasets read
+    exactly those files. A run.json from before (the last rows held out) is not resumed onto the new split."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from eagle3pipe.train import HELD_OUT_KEY, build_data
+    from eagle3pipe.train_batches import split_files
+
+    trains, held = split_files(1000, 0.05, 0)
+    assert len(held) == 50 and len(trains) == 950 and sorted({*trains, *held}) == list(range(1000))
+    assert np.array_equal(held, split_files(1000, 0.05, 0)[1])
+    assert not np.array_equal(held, split_files(1000, 0.05, 1)[1])
+    assert held.min() < 250 and held.max() >= 750  # drawn from the whole file, not its tail
+    assert split_files(1000, 0.0, 0)[1] is None and split_files(1, 0.5, 0)[1] is None
+
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=12))
+    cfg = toy_config(tmp_path, toy_llama, eval_fraction=0.25)
+    train_ds, val_ds, _ = build_data(cfg, torch.device("cpu"))
+    want_train, want_held = split_files(12, 0.25, cfg.shared.seed)
+    assert [train_ds.file_index(i) for i in range(len(train_ds))] == want_train.tolist()
+    assert [val_ds.file_index(i) for i in range(len(val_ds))] == want_held.tolist()
+    assert val_ds.approx_lengths == [len(r.input_ids) for k, r in enumerate(make_rows(12, seed=12))
+                                     if k in set(want_held.tolist())]
+
+    argv = _door(tmp_path, toy_llama, "--eval-fraction", "0.25")
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "1"]) == 0
+    dd = DataDir(tmp_path)
+    run = json.loads(dd.train_run.read_text())
+    assert run["settings"][HELD_OUT_KEY] == "drawn with shared.seed"
+    del run["settings"][HELD_OUT_KEY]  # as a run started before issue 47 wrote it
+    dd.train_run.write_text(json.dumps(run))
+    capsys.readouterr()
+    assert run_stage("train", "04_train", run_train, None, argv + ["--resume", "--max-steps", "2"]) == 2
+    assert "held-out rows: 'the last rows' then, 'drawn with shared.seed' now" in capsys.readouterr().err
+
+
+def test_checkpoints_reach_the_disk_before_their_name_and_resume_skips_a_torn_one(tmp_path, toy_llama, capsys,
+                                                                                 monkeypatch):
+    """Issue 47: checkpoints were renamed into place without an fsync of their files and folder, so after a power
+    cut a listed step_N could be empty and --resume failed on it. Every file and the temporary folder are fsynced
+    before the rename, checkpoints/ after it; a step_N whose files are empty or short (what such a cut leaves) is
+    moved aside by --resume, which says so and continues from the newest whole one, to the uninterrupted draft."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from eagle3pipe import records_checkpoints
+
+    _prepare(tmp_path, toy_llama, make_rows(12, seed=13))
+    dd = DataDir(tmp_path)
+    synced, renamed = [], []  # every fsync'd path, and each rename with the fsyncs before it
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(records_checkpoints.os, "fsync",
+                        lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    monkeypatch.setattr(records_checkpoints.os, "replace",
+                        lambda a, b: (renamed.append((str(a), str(b), len(synced))), real_replace(a, b))[1])
+    argv = _door(tmp_path, toy_llama, "--log-every", "1")  # 2 epochs of 2 steps (12 rows): 3 steps end in the 2nd
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "3"]) == 0
+    monkeypatch.undo()
+    renamed = [r for r in renamed if Path(r[1]).name.startswith("step_")]  # (os is every module's: locks too)
+    assert {Path(b).name for _, b, _ in renamed} == {"step_1", "step_2", "step_3"}
+    for tmp, final, synced_before in renamed:
+        files = {Path(x).name for x in synced[:synced_before] if Path(x).parent == Path(tmp)}
+        assert files == set(records_checkpoints.CKPT_FILES), files  # each file on disk before the rename
+        assert tmp in synced[:synced_before]  # the folder's entries too
+        assert str(Path(final).parent) in synced[synced_before:]  # and checkpoints/ after it
+    whole = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    steps = [r for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"]
+
+    # a cut that left step_3's optimizer state short and its model file empty
+    optimizer = dd.checkpoint_step(3) / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    assert "optimizer.safetensors holds" in records_checkpoints.check_train_checkpoint(dd.checkpoint_step(3))
+    (dd.checkpoint_step(3) / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    assert run_stage("train", "04_train", run_train, None, argv + ["--max-steps", "3", "--resume"]) == 0
+    log = dd.log_file("04_train").read_text()
+    assert f"--resume: {dd.checkpoint_step(3)} is not whole (model.safetensors holds 0 bytes" in log
+    assert f"resuming from {dd.checkpoint_step(2)}" in log
+    assert (dd.checkpoints / "step_3.torn").is_dir() and [s for s, _ in list_train_checkpoints(dd.checkpoints)] == \
+        [1, 2, 3]
+    assert [r["loss"] for r in read_jsonl(dd.train_metrics) if r["kind"] == "train"] == [r["loss"] for r in steps]
+    again = load_file(str(dd.final_checkpoint / "model.safetensors"))
+    assert all(torch_equal(whole[k], again[k]) for k in whole)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

@@ -130,12 +130,17 @@ def test_the_online_source_reads_spool_files_through_the_same_check(tmp_path, to
 
 def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_path, toy_llama, capsys):
     rows = make_rows(12, seed=42)
-    _prepare(tmp_path, toy_llama, rows)
+    cfg = _prepare(tmp_path, toy_llama, rows)
     dd = DataDir(tmp_path)
-    # eval_fraction 0.25: samples 0-8 train, 9-11 are held out
-    tokens = _shorten(dd.hs_file(1))
-    _swap(dd.hs_file(4), dd.hs_file(5))  # each holds the other's token ids
-    held_tokens = _shorten(dd.hs_file(10))
+    # eval_fraction 0.25: 9 samples train, 3 drawn with shared.seed are held out (train_batches.split_files)
+    from eagle3pipe.train_batches import split_files
+
+    trains, helds = split_files(12, 0.25, cfg.shared.seed)
+    assert (len(trains), len(helds)) == (9, 3)
+    short, a, b, held = int(trains[1]), int(trains[4]), int(trains[5]), int(helds[1])
+    tokens = _shorten(dd.hs_file(short))
+    _swap(dd.hs_file(a), dd.hs_file(b))  # each holds the other's token ids
+    held_tokens = _shorten(dd.hs_file(held))
     argv = _door(tmp_path, toy_llama, "--eval-fraction", "0.25")
     code = run_stage("train", "04_train", run_train, None, argv)
     err = capsys.readouterr().err
@@ -154,13 +159,15 @@ def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_
     by_epoch = {e: sorted((s.index, s.held_out, s.reason) for s in listed if s.epoch == e) for e in (0, 1)}
     mismatch = "its token_ids are not the row's input_ids"
     for e in (0, 1):  # each skipped sample listed once per epoch: the stop's step is not listed twice
-        assert [(i, h) for i, h, _ in by_epoch[e]] == [(1, False), (4, False), (5, False), (10, True)], by_epoch[e]
-        reasons = [r for _, _, r in by_epoch[e]]
-        assert reasons[0].startswith(f"hidden states for {tokens - SHORT_BY} tokens, token_ids hold {tokens}")
-        assert reasons[1].startswith(mismatch) and reasons[2].startswith(mismatch)
-        assert reasons[3].startswith(f"hidden states for {held_tokens - SHORT_BY} tokens, token_ids hold {held_tokens}")
+        assert [(i, h) for i, h, _ in by_epoch[e]] == sorted([(short, False), (a, False), (b, False), (held, True)]), \
+            by_epoch[e]
+        reasons = {i: r for i, _, r in by_epoch[e]}
+        assert reasons[short].startswith(f"hidden states for {tokens - SHORT_BY} tokens, token_ids hold {tokens}")
+        assert reasons[a].startswith(mismatch) and reasons[b].startswith(mismatch)
+        assert reasons[held].startswith(f"hidden states for {held_tokens - SHORT_BY} tokens, token_ids hold "
+                                        f"{held_tokens}")
     files = {s.index: s.file for s in listed}
-    assert files[1] == str(dd.hs_file(1)) and files[10] == str(dd.hs_file(10))
+    assert files[short] == str(dd.hs_file(short)) and files[held] == str(dd.hs_file(held))
     metrics = list(read_jsonl(dd.train_metrics))
     (rows_2,) = [r for r in metrics if r["kind"] == "rows" and r["epoch"] == 1]  # the resumed run's whole epoch
     assert rows_2["packed_samples"] == 9 and rows_2["skipped_samples"] == 3 and rows_2["samples"] == 6
@@ -169,6 +176,18 @@ def test_skipped_samples_are_listed_counted_and_stop_the_run_past_the_share(tmp_
     assert train[-1]["skipped_samples"] == 6  # every epoch's, the part before the resume included
     counts = read_provenance(dd.provenance(dd.checkpoints))["counts"]
     assert counts["skipped_samples"] == 6 and counts["skipped_held_out"] == 2
+    # run_all.sh --status lists every one of them (issue 47: it read a log line nothing writes any more)
+    from eagle3pipe.status import format_status, run_status, skip_kind
+
+    stages, drops = run_status(cfg)
+    listed_drops = [(d.id, d.reason, d.listed_in) for d in drops if d.stage == "04_train"]
+    assert sorted(listed_drops) == sorted((f"row {s.index}", skip_kind(s.reason), "checkpoints/skipped.jsonl")
+                                          for s in listed)
+    assert {d.reason for d in drops} == {"hidden states for N tokens, token_ids hold N",
+                                         "its token_ids are not the row's input_ids"}
+    st = next(st for st in stages if st.name == "04_train")
+    assert st.state == "done" and sum(st.drops.values()) == len(listed) == 8
+    assert "dropped: 8 samples in all" in format_status(cfg, stages, drops)
 
 
 def test_under_torchrun_the_share_counts_every_rank_s_skips(tmp_path, toy_llama):
