@@ -523,6 +523,10 @@ def speed_config(size: str, variant: str, verifier: Path, meta: dict, chats: Pat
     w, cpu = ARGS.work, ARGS.cpu
     k25 = meta.get("flavour") == "kimi_k25"
     ctx = speed_context(meta)
+    # 01b's and 02's servers start without torch.compile and CUDA graphs: compiled, they were ready in 108 and 92 s on
+    # the H100 (2026-12-07) to handle ~330 k tokens each, and neither is what 05 measures (an eager server of the ci
+    # toy was ready in 72 s on the H200, 2026-12-05: the saving is the compile and capture, to be seen)
+    eager = "" if cpu else "--enforce-eager"
     n = ARGS.speed_questions
     train = {"epochs": ARGS.speed_epochs, "learning_rate": ARGS.speed_lr, "total_seq_len": 1024 if cpu else 4096,
              "checkpoint_every": 200, "device": "cpu" if cpu else "cuda", "num_workers": 0, "log_every": 10,
@@ -548,9 +552,10 @@ def speed_config(size: str, variant: str, verifier: Path, meta: dict, chats: Pat
                      # barely trained verifier rarely closes </think>)
                      "include_truncated": True, "allow_empty_reasoning": cpu,
                      "empty_reasoning_max_share": 1.0 if cpu else 0.05,
-                     "server_args": server_flags(f"--reasoning-parser kimi_k2 --max-num-seqs 64 {ctx}")},
+                     "server_args": server_flags(f"--reasoning-parser kimi_k2 --max-num-seqs 64 {ctx} {eager}")},
         "extract": {"input": "synthetic", "backend": "vllm", "model_dtype": "bfloat16", "concurrency": 32,
-                    "request_timeout_s": 300, "server_start_timeout_s": 900, "server_args": server_flags(ctx),
+                    "request_timeout_s": 300, "server_start_timeout_s": 900,
+                    "server_args": server_flags(f"{ctx} {eager}"),
                     "force_disk": True},  # the plan sizes every row at max_seq_len; these rows are ~200 tokens
         "vocab": {"mask_token": "[UNK]" if k25 else "[PAD]"},  # DFlash: a special token never in the rows
         "train": train,
