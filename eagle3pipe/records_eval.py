@@ -62,7 +62,8 @@ def eval_markdown_table(report: dict) -> str:
             return f"{c} (k={ks[c]})" if c in ks else c
 
         report = {**report, **{key: {label(c): v for c, v in report[key].items()}
-                               for key in ("acceptance", "tokens_per_s", "speedup")}}
+                               for key in ("acceptance", "tokens_per_s", "speedup", "decode_timings", "step_costs")
+                               if report.get(key)}}
         drafts = [label(c) for c in drafts]
         k_text = "each draft at its own k (draft tokens per step, in its column)"
     else:

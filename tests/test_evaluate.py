@@ -261,6 +261,14 @@ def test_decode_timings_and_step_costs_from_vllm_histograms(tmp_path):
     assert "| EAGLE-3 MLA, k = 3 | Kimi-K2.5 INT4 | 16 | 1.23 | vLLM 0.21.0, 8 x H200, concurrency 16, 1024 in " \
            "/ 512 out;" in md
     assert "Ours (concurrency 1 / 4): draft 2.00 / 2.00 on gsm8k" in md
+    # drafts at their own k (a DFlash draft beside EAGLE-3): the columns are labelled with it, in these tables too
+    for per_set in report["acceptance"]["aq"].values():
+        per_set["per_position_acceptance"] = []
+    report["num_speculative_tokens_by_draft"] = {"draft": 3, "aq": 7}
+    save_eval_report(DataDir(tmp_path), report, "abc", {})
+    md = DataDir(tmp_path).eval_markdown.read_text()
+    assert "| benchmark | verifier alone | draft (k=3) | aq (k=7) |" in md
+    assert "| gsm8k | 2.00 / 1.00 | 4.00 / 1.00 | 4.00 / 1.00 |" in md and "| gsm8k | 2.000 / 1.500 | 2.000 / 1.500 |" in md
 
 
 def test_check_eval_report_rejects_wrong_position_count():
