@@ -62,7 +62,7 @@ from eagle3pipe.vllm_internals import (
     states_block_dim,
 )
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger: in the server's log, in its format
 
 
 def storage_path_problem(path: Any, root: Path) -> str | None:
@@ -176,8 +176,8 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         layout = type(self).get_required_kvcache_layout(self._vllm_config)
         self._block_dim = states_block_dim(layout, tuple(self._kv_cache.shape), self._block_size,
                                            len(self._captured_layers()[0]))
-        logger.info("hidden-state cache %s, layout %s: block offsets in dimension %d", list(self._kv_cache.shape),
-                    layout, self._block_dim)
+        logger.info("hidden-state cache %s (layout asked of vLLM: %s): block offsets in dimension %d",
+                    list(self._kv_cache.shape), layout, self._block_dim)
 
     def get_finished(self, finished_req_ids):
         """Start the copy and write of each request the scheduler delayed (the metadata's pending saves), then report

@@ -85,6 +85,7 @@ def run_probe(phase: str, inp: dict, work: Path, env: dict[str, str]) -> dict:
     out = json.loads((work / "out.json").read_text()) if (work / "out.json").is_file() else {}
     assert res.returncode == 0 and "error" not in out, out.get("error") or res.stderr[-4000:]
     assert out["vllm"] == "0.34.0"
+    out["log"] = res.stdout + res.stderr  # vLLM's log lines, ours among them
     return out
 
 
@@ -432,3 +433,5 @@ def test_our_connector_writes_what_0_34s_cache_holds_whichever_layout_vllm_picks
         err = ((data["hidden_states"].float() - want).abs().max() / want.abs().max()).item()
         assert finite and err <= (0.0 if dtype == "bf16" else 0.07), (rid, dtype, err)  # fp8: a scale per state
     assert res["finished_sending"] == sorted(written)
+    # at start the connector names the release's status in vLLM's own log
+    assert "eagle3pipe's hidden-states connector on vLLM 0.34.0: read only (sources read" in engine["log"]
