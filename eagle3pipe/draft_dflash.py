@@ -269,7 +269,7 @@ def load_into_model(model, ckpt: DFlashCheckpoint) -> dict:
 
 
 def served_layers_causal(config: dict) -> list[bool]:
-    """Per draft layer, whether vLLM (0.32/0.33, ``qwen3_dflash._dflash_layer_causal`` after the speculators
+    """Per draft layer, whether vLLM (0.32-0.34, ``qwen3_dflash._dflash_layer_causal`` after the speculators
     adapter) runs it causal: speculators' format sets ``dflash_config.causal = not sliding_window_non_causal``
     (absent = false) for every layer; z-lab's, ``is_causal`` or else sliding layers only."""
     if is_zlab_config(config):

@@ -63,6 +63,7 @@ from .records import DataDir
 from .records_eval import save_eval_report
 from .server import ServerError, VllmServer, probe_vllm
 from .vllm_client import auth_headers, make_async_client, read_metrics
+from .vllm_internals import model_runner_v1_removed
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ def speculative_config(draft_dir: Path, k: int, attention_backend: str | None = 
 # group's own, first in 0.29.0). A draft whose geometry differs then dies at start-up with "scheduler_metadata must
 # have shape (metadata_size)" (seen on the H200 with 0.26.0, BENCHMARKS.md); every K2.5 draft differs (the target
 # is MLA). The FlexAttention builder uses none of those values, so the draft alone runs on it there; the V2 model
-# runner those versions default to ignores the speculative config's attention_backend, so the V1 one serves.
+# runner those versions default to ignores the speculative config's attention_backend, so the V1 one serves. vLLM
+# 0.34 deleted the V1 runner and refuses to start with VLLM_USE_V2_MODEL_RUNNER=0 (vllm/platforms/interface.py):
+# the variable is never passed there (v1_runner_env).
 FA3_TARGET_GEOMETRY_FIXED_IN = (0, 29)
 FA3_WORKAROUND_BACKEND = "FLEX_ATTENTION"
 FA3_WORKAROUND_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
@@ -152,6 +155,12 @@ def fa3_plans_drafts_with_verifier_geometry(platform: str, vllm_version: str) ->
     return platform == "gpu" and m is not None and (int(m.group(1)), int(m.group(2))) < FA3_TARGET_GEOMETRY_FIXED_IN
 
 
+def v1_runner_env(vllm_version: str) -> dict[str, str]:
+    """The environment that serves on vLLM's V1 model runner (the workaround above, for vLLM < 0.29); empty where
+    the V1 runner is gone (0.34 and later), whose vLLM would refuse to start with it."""
+    return {} if model_runner_v1_removed(vllm_version) else dict(FA3_WORKAROUND_ENV)
+
+
 def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
                   vllm_version: str) -> tuple[str | None, dict[str, str]]:
     """(the attention backend to ask for the draft alone or None for vLLM's choice, the server's extra environment)
@@ -165,7 +174,7 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
     if choice == "none":
         return None, {}
     if choice != "auto":
-        return choice, dict(FA3_WORKAROUND_ENV) if old else {}
+        return choice, v1_runner_env(vllm_version) if old else {}
     if not old:
         return None, {}  # DFlash: vLLM picks a non-causal backend for the draft itself
     # DFlash too (vllm#53336 plans every draft layer with the target's geometry): FlexAttention serves non-causal
@@ -179,7 +188,7 @@ def draft_serving(cfg: PipelineConfig, draft_config: dict, platform: str,
                 "(heads, KV heads, head size %s; the draft's: %s) and dies at start-up (vllm#53336, fixed in 0.29): "
                 "the draft runs on %s, the server on the V1 model runner (evaluate.draft_attention_backend)",
                 vllm_version, theirs, ours, FA3_WORKAROUND_BACKEND)
-    return FA3_WORKAROUND_BACKEND, dict(FA3_WORKAROUND_ENV)
+    return FA3_WORKAROUND_BACKEND, v1_runner_env(vllm_version)
 
 
 def cpu_mla_setting(cfg: PipelineConfig, draft_config: dict) -> dict[str, str]:
@@ -313,6 +322,15 @@ def _served_model(url: str) -> str:
     return resp.json()["data"][0]["id"]
 
 
+def chat_request(model: str, prompt: dict, cfg: PipelineConfig) -> dict:
+    """The chat completion 05 asks for one prompt, as the openai client's keyword arguments (``extra_body``: the
+    fields vLLM reads beyond OpenAI's, sent in the same JSON body)."""
+    ev = cfg.evaluate
+    return {"model": model, "messages": prompt["messages"], "max_completion_tokens": ev.max_completion_tokens,
+            "temperature": ev.temperature, "seed": cfg.shared.seed,
+            "extra_body": {"chat_template_kwargs": {"thinking": cfg.shared.thinking}}}
+
+
 async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig, concurrency: int) -> dict:
     """Send every prompt with at most ``concurrency`` in flight; completion-token totals, wall time, and each
     response's own speculative-decoding counters (None where the server returns none)."""
@@ -326,11 +344,7 @@ async def _send_all(url: str, prompts: list[dict], cfg: PipelineConfig, concurre
 
     async def one(prompt: dict) -> None:
         async with gate:
-            resp = await client.chat.completions.create(
-                model=model, messages=prompt["messages"], max_completion_tokens=ev.max_completion_tokens,
-                temperature=ev.temperature, seed=cfg.shared.seed,
-                extra_body={"chat_template_kwargs": {"thinking": cfg.shared.thinking}},
-            )
+            resp = await client.chat.completions.create(**chat_request(model, prompt, cfg))
             completion_tokens.append(resp.usage.completion_tokens)
             reason = resp.choices[0].finish_reason
             finish_reasons[reason] = finish_reasons.get(reason, 0) + 1

@@ -86,7 +86,9 @@ LOCK_POLL_S = 0.05  # longest wait between two looks at a file's lock
 VERIFY_TOP_K = 5  # prompt_logprobs asked for in the capture check
 NEAR_TIE_NATS = 0.1  # the check forgives a different top-1 the server ranks within this of its own (bf16 near-ties)
 ABANDONED_SWEEP_S = 30.0  # how often the files of attempts given up on are looked for again (late writes)
-GPU_MEMORY_UTILIZATION = "0.85"  # below vLLM's 0.9: its profiler does not count the connector's per-request copy
+# below vLLM's default (0.9-0.92; from 0.34 the extensible KV cache takes all it measures free): neither its profiler
+# nor 0.34's measurement counts the connector's per-request copy of the states
+GPU_MEMORY_UTILIZATION = "0.85"
 
 Item = tuple[int, str, list[int]]  # (position in the input, row id, input_ids)
 
@@ -123,6 +125,16 @@ def server_args(cfg: PipelineConfig, storage: Path, num_layers: int, max_model_l
     elif not any(a.startswith("--gpu-memory-utilization") for a in user):
         args += ["--gpu-memory-utilization", GPU_MEMORY_UTILIZATION]
     return args + user
+
+
+def request_body(model: str, ids: list[int], path: Path, storage_dtype: str, prompt_logprobs: bool) -> dict:
+    """The ``/v1/completions`` body of one sample: its ids as the prompt, one generated token, the file our connector
+    writes (``kv_transfer_params``), and the server's top next tokens at every position for the capture check."""
+    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"hidden_states_path": str(path), "storage_dtype": storage_dtype}}
+    if prompt_logprobs:
+        body["prompt_logprobs"] = VERIFY_TOP_K
+    return body
 
 
 def start_server(cfg: PipelineConfig, dd: DataDir, num_layers: int, max_model_len: int) -> VllmServer:
@@ -365,10 +377,7 @@ class Extractor:
         return self.model, min(m.max_model_len for m in served.values())
 
     async def _request(self, idx: int, ids: list[int], path: Path, prompt_logprobs: bool) -> dict:
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "kv_transfer_params": {"hidden_states_path": str(path), "storage_dtype": self.cfg.extract.storage_dtype}}
-        if prompt_logprobs:
-            body["prompt_logprobs"] = VERIFY_TOP_K
+        body = request_body(self.model, ids, path, self.cfg.extract.storage_dtype, prompt_logprobs)
         # post() rather than completions.create(): the typed request builder walks every prompt token in Python
         # (0.1 ms per token measured: a client core at 10k tok/s); timeouts, retries' error types are the same
         response = await self.pool.clients[idx].post("/completions", cast_to=httpx2.Response, body=body,

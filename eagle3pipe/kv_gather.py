@@ -5,7 +5,8 @@ The cache the ``extract_hidden_states`` method fills holds, per block, ``block s
 in one of two layouts (``vllm_internals.states_block_dim`` tells which from what the server exposes):
 
 - [blocks, block size, n states, H] (block dim 1): vLLM 0.26-0.28, whose example connector asks for "NHD";
-- [blocks, n states, block size, H] (block dim 2): vLLM 0.29-0.33, "LBNHC".
+- [blocks, n states, block size, H] (block dim 2): vLLM 0.29-0.34, "LBNHC" (the logical view of every
+  layout from 0.29 on).
 
 A request's rows are its blocks' slots, in order, cut at its token count: [T, n, H] either way.
 """

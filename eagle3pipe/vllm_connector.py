@@ -19,10 +19,11 @@ request's states, the per-file ``.lock`` the client waits on, the path a request
   final path, the request's own or the default, is type-checked and confined when the request is scheduled and again
   in the worker before anything is created; a refused request writes nothing, its reply carries
   ``kv_transfer_params.hidden_states_error``, and the engine goes on (a non-string path used to kill it);
-- it behaves the same on every vLLM from 0.26 to 0.33 (``vllm_internals.py`` names the range and refuses anything
-  else, or an example connector that lacks a name it overrides or uses): the hidden-state cache is read in the
-  layout the server uses ([blocks, block size, n, H] up to 0.28, [blocks, n, block size, H] from 0.29; chosen from
-  the layout the parent asks vLLM for, checked against the cache's shape when the caches are registered); a request
+- it behaves the same on every vLLM from 0.26 to 0.34 (``vllm_internals.py`` names the range and refuses anything
+  else, or an example connector that lacks a name it overrides or uses, and logs the release's status at start: run
+  on a GPU, run on CPU, or read only): the hidden-state cache is read in the layout the server uses ([blocks, block
+  size, n, H] up to 0.28, [blocks, n, block size, H] from 0.29; chosen from the layout the parent asks vLLM for,
+  checked against the cache's shape when the caches are registered); a request
   that has nothing to save (refused, or aborted before it was scheduled) frees its blocks at once and is never
   reported as sent (0.26-0.30's parent popped its file name with no default and reported every finished request,
   so a refusal or a client timeout on a queued request killed the engine there); only TP rank 0 reports a request
@@ -53,9 +54,15 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from eagle3pipe.kv_gather import Done, gather_states, request_slots
 from eagle3pipe.records import HS_STORAGE_DTYPES, hidden_states_tensors, hs_file_metadata, save_tensors_atomic
-from eagle3pipe.vllm_internals import check_connector_class, check_connector_instance, states_block_dim
+from eagle3pipe.vllm_internals import (
+    READ_ONLY,
+    check_connector_class,
+    check_connector_instance,
+    release_status,
+    states_block_dim,
+)
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger: in the server's log, in its format
 
 
 def storage_path_problem(path: Any, root: Path) -> str | None:
@@ -99,6 +106,9 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
                               ExampleHiddenStatesConnectorMetadata)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_connector_instance(vllm.__version__, self)
+        status, where = release_status(vllm.__version__)
+        (logger.warning if status == READ_ONLY else logger.info)(
+            "eagle3pipe's hidden-states connector on vLLM %s: %s (%s)", vllm.__version__, status, where)
         self.storage_dtype = self._kv_transfer_config.get_from_extra_config("storage_dtype", "bf16")
         if self.storage_dtype not in HS_STORAGE_DTYPES:
             raise ValueError(f"storage_dtype {self.storage_dtype!r} not in {HS_STORAGE_DTYPES}")
@@ -166,8 +176,8 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         layout = type(self).get_required_kvcache_layout(self._vllm_config)
         self._block_dim = states_block_dim(layout, tuple(self._kv_cache.shape), self._block_size,
                                            len(self._captured_layers()[0]))
-        logger.info("hidden-state cache %s, layout %s: block offsets in dimension %d", list(self._kv_cache.shape),
-                    layout, self._block_dim)
+        logger.info("hidden-state cache %s (layout asked of vLLM: %s): block offsets in dimension %d",
+                    list(self._kv_cache.shape), layout, self._block_dim)
 
     def get_finished(self, finished_req_ids):
         """Start the copy and write of each request the scheduler delayed (the metadata's pending saves), then report

