@@ -312,19 +312,26 @@ def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
         ours = model.embed_tokens.weight.detach().cpu().float()
         if not torch.allclose(ckpt.tensors["embed_tokens.weight"].float(), ours):
             raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding")
-    own = {k for k in model.state_dict() if k not in VERIFIER_OWNED_KEYS and k not in ("d2t", "t2d")}
+    load_state_strict(model, state, ckpt.folder)
+    return info
+
+
+def load_state_strict(model, state: dict[str, torch.Tensor], where) -> None:
+    """Copy a warm start's tensors into ``model``: every draft-owned key filled (the verifier's embedding, lm_head
+    source and norm excepted, and d2t/t2d, which 03's map decides), no key left over, each of the model's shape;
+    refused naming the key otherwise."""
+    own_state = model.state_dict()
+    own = {k for k in own_state if k not in VERIFIER_OWNED_KEYS and k not in ("d2t", "t2d")}
     missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
     if missing or unexpected:
-        raise DraftFormatError(f"{ckpt.folder}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
-    own_state = model.state_dict()
+        raise DraftFormatError(f"{where}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
     for key, value in state.items():
         if tuple(own_state[key].shape) != tuple(value.shape):
-            raise DraftFormatError(f"{ckpt.folder}: '{key}' has shape {tuple(value.shape)}, the draft expects "
+            raise DraftFormatError(f"{where}: '{key}' has shape {tuple(value.shape)}, the draft expects "
                                    f"{tuple(own_state[key].shape)}")
     with torch.no_grad():
         for key, value in state.items():
             own_state[key].copy_(value)
-    return info
 
 
 def load_finetune_draft(folder: str | Path, *, verifier: str | Path, d2t: torch.Tensor, t2d: torch.Tensor,

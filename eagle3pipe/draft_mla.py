@@ -65,6 +65,7 @@ from .draft import (
     DraftFormatError,
     default_aux_layer_ids,
     legacy_rope_fields,
+    load_state_strict,
     model_vocab_map,
     remap_lm_head,
     replace_dir,
@@ -495,18 +496,7 @@ def load_into_model(model, ckpt: MLACheckpoint) -> dict:
         if not torch.allclose(ckpt.tensors["embed_tokens.weight"].float(), ours):
             raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding (a "
                                    "draft of another model)")
-    own_state = model.state_dict()
-    own = {k for k in own_state if k not in VERIFIER_OWNED_KEYS and k not in ("d2t", "t2d")}
-    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
-    if missing or unexpected:
-        raise DraftFormatError(f"{ckpt.folder}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
-    for key, value in state.items():
-        if tuple(own_state[key].shape) != tuple(value.shape):
-            raise DraftFormatError(f"{ckpt.folder}: '{key}' has shape {tuple(value.shape)}, the draft expects "
-                                   f"{tuple(own_state[key].shape)}")
-    with torch.no_grad():
-        for key, value in state.items():
-            own_state[key].copy_(value)
+    load_state_strict(model, state, ckpt.folder)
     return {**info, "keys": sorted(state)}
 
 
