@@ -296,10 +296,20 @@ def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
             continue
         name = MODEL_LAYER_PREFIX + key[len(FLAT_LAYER_PREFIX):] if key.startswith(FLAT_LAYER_PREFIX) else key
         state[name] = value
+    return load_warm_start(model, state, ckpt)
+
+
+def load_warm_start(model, state: dict[str, torch.Tensor], ckpt) -> dict:
+    """Copy a warm start's tensors (``state``, in the model's names; ``ckpt``: its folder, tensors and vocab map)
+    into ``model``. The model's vocabulary map must be the checkpoint's, or its lm_head rows are remapped (shared
+    tokens keep their rows, new ones take the verifier's); an embedding the checkpoint carries must be the
+    verifier's (vLLM and speculators use the verifier's: a checkpoint trained against another one would silently
+    change its function); every draft-owned key is filled (the verifier's embedding, lm_head source and norm
+    excepted, and d2t/t2d, which 03's map decides), no key left over, each of the model's shape; refused naming the
+    key otherwise. Returns {"remapped": bool, "shared": int}."""
     info = {"remapped": False, "shared": ckpt.draft_vocab_size}
     ours_d2t, ours_t2d = model_vocab_map(model)
-    same_map = torch.equal(ours_d2t, ckpt.d2t) and torch.equal(ours_t2d, ckpt.t2d)
-    if not same_map:
+    if not (torch.equal(ours_d2t, ckpt.d2t) and torch.equal(ours_t2d, ckpt.t2d)):
         rows, shared = remap_lm_head(ckpt.tensors["lm_head.weight"], ckpt.d2t, ours_d2t,
                                      model.verifier_lm_head.weight.detach().cpu())
         state["lm_head.weight"] = rows
@@ -307,31 +317,23 @@ def load_flat_into_model(model, ckpt: FlatCheckpoint) -> dict:
         log.info("vocab map differs from %s: lm_head rows remapped (%d of %d draft tokens shared, the rest from the "
                  "verifier's lm_head)", ckpt.folder, shared, rows.shape[0])
     if "embed_tokens.weight" in ckpt.tensors:
-        # vLLM and speculators use the verifier's embedding; a checkpoint that carries a different one was trained
-        # against different inputs, so keeping ours would silently change its function.
         ours = model.embed_tokens.weight.detach().cpu().float()
         if not torch.allclose(ckpt.tensors["embed_tokens.weight"].float(), ours):
-            raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding")
-    load_state_strict(model, state, ckpt.folder)
-    return info
-
-
-def load_state_strict(model, state: dict[str, torch.Tensor], where) -> None:
-    """Copy a warm start's tensors into ``model``: every draft-owned key filled (the verifier's embedding, lm_head
-    source and norm excepted, and d2t/t2d, which 03's map decides), no key left over, each of the model's shape;
-    refused naming the key otherwise."""
+            raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding (a "
+                                   "draft of another model)")
     own_state = model.state_dict()
     own = {k for k in own_state if k not in VERIFIER_OWNED_KEYS and k not in ("d2t", "t2d")}
     missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
     if missing or unexpected:
-        raise DraftFormatError(f"{where}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
+        raise DraftFormatError(f"{ckpt.folder}: model keys not filled {missing}; checkpoint keys unused {unexpected}")
     for key, value in state.items():
         if tuple(own_state[key].shape) != tuple(value.shape):
-            raise DraftFormatError(f"{where}: '{key}' has shape {tuple(value.shape)}, the draft expects "
+            raise DraftFormatError(f"{ckpt.folder}: '{key}' has shape {tuple(value.shape)}, the draft expects "
                                    f"{tuple(own_state[key].shape)}")
     with torch.no_grad():
         for key, value in state.items():
             own_state[key].copy_(value)
+    return info
 
 
 def load_finetune_draft(folder: str | Path, *, verifier: str | Path, d2t: torch.Tensor, t2d: torch.Tensor,

@@ -65,9 +65,7 @@ from .draft import (
     DraftFormatError,
     default_aux_layer_ids,
     legacy_rope_fields,
-    load_state_strict,
-    model_vocab_map,
-    remap_lm_head,
+    load_warm_start,
     replace_dir,
     sglang_aux_layer_ids,
     verifier_text_config,
@@ -482,21 +480,7 @@ def load_into_model(model, ckpt: MLACheckpoint) -> dict:
     checkpoint's, or its lm_head rows are remapped (shared tokens keep their rows, new ones take the verifier's).
     Returns {"remapped": bool, "shared": int, "keys": the keys filled}."""
     state = {k: v for k, v in ckpt.tensors.items() if k != "embed_tokens.weight"}
-    info = {"remapped": False, "shared": ckpt.draft_vocab_size}
-    ours_d2t, ours_t2d = model_vocab_map(model)
-    if not (torch.equal(ours_d2t, ckpt.d2t) and torch.equal(ours_t2d, ckpt.t2d)):
-        rows, shared = remap_lm_head(ckpt.tensors["lm_head.weight"], ckpt.d2t, ours_d2t,
-                                     model.verifier_lm_head.weight.detach().cpu())
-        state["lm_head.weight"] = rows
-        info = {"remapped": True, "shared": shared}
-        log.info("vocab map differs from %s: lm_head rows remapped (%d of %d draft tokens shared, the rest from the "
-                 "verifier's lm_head)", ckpt.folder, shared, rows.shape[0])
-    if "embed_tokens.weight" in ckpt.tensors:  # trained against this embedding: it must be the verifier's
-        ours = model.embed_tokens.weight.detach().cpu().float()
-        if not torch.allclose(ckpt.tensors["embed_tokens.weight"].float(), ours):
-            raise DraftFormatError(f"{ckpt.folder}: embed_tokens.weight differs from the verifier's embedding (a "
-                                   "draft of another model)")
-    load_state_strict(model, state, ckpt.folder)
+    info = load_warm_start(model, state, ckpt)
     return {**info, "keys": sorted(state)}
 
 
