@@ -216,6 +216,9 @@ class TrainConfig:
     checkpoint_every: int = 500  # optimizer steps between checkpoints
     eval_fraction: float = 0.05  # share of samples held out for per-epoch evaluation (drawn with shared.seed from
     # the whole rows file, so rows ordered by source are judged on every source)
+    max_samples: int = 0  # train on this many samples of the training split, 0 = all: a draw with shared.seed, each
+    # N's samples holding every smaller N's; the held-out split stays the same, so drafts of 125, 500, 2000 samples of
+    # one extraction are judged on the same rows (the data-volume curve, docs/sizing.md)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     resume: bool = False  # continue from the newest checkpoint in checkpoints/
     export_format: str = "eagle3"  # "eagle3" (flat LlamaForCausalLMEagle3; one file vLLM and SGLang both read right:
@@ -436,6 +439,9 @@ class PipelineConfig:
                 raise ConfigError(f"train.cpu_threads must be >= 0 (0 = torch's default), got {t.cpu_threads}")
             if not 0.0 <= t.eval_fraction < 1.0:
                 raise ConfigError(f"train.eval_fraction must be in [0, 1), got {t.eval_fraction}")
+            if t.max_samples < 0:
+                raise ConfigError(f"train.max_samples must be >= 0 (0 = the whole training split), got "
+                                  f"{t.max_samples}")
             if t.resume and t.overwrite:
                 raise ConfigError("train.resume and train.overwrite exclude each other: pick one")
             if t.grad_accum < 1 or t.nproc_per_node < 0 or t.keep_checkpoints < 0 or t.min_free_gb < 0:

@@ -16,7 +16,8 @@ The figures are simple products, shown with their inputs, so that a reader can r
   min(plan.prompt_tokens + plan.completion_tokens, shared.max_seq_len); the bound uses shared.max_seq_len.
 - 02: states = ``records.hs_bytes_estimate`` of those tokens (aux layers + the final state, storage dtype);
   hours = tokens / (plan.extract_tokens_per_s x servers) (+ one server start when 02 starts its own).
-- 04: packed rows an epoch = ceil(tokens x (1 - train.eval_fraction) / (train.total_seq_len x plan.packing_fill));
+- 04: packed rows an epoch = ceil(tokens x (1 - train.eval_fraction) / (train.total_seq_len x plan.packing_fill)),
+  the training tokens cut to train.max_samples x tokens per row when it keeps fewer rows than the training split's;
   steps = epochs x ceil(rows / (processes x grad_accum)) (cut by max_steps); hours = epochs x training tokens /
   (plan.train_tokens_per_s x processes x plan.train_scaling when processes > 1); checkpoints written = one every
   checkpoint_every steps and one at the end; on disk at once = at most keep_checkpoints + 1 (a save comes before the
@@ -329,6 +330,11 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
 
     world = out.train_processes
     train_tokens = math.floor(tokens * (1 - t.eval_fraction))
+    held_tokens = tokens - train_tokens  # online: extracted at each evaluation besides the training rows
+    train_rows = int(rows * (1 - t.eval_fraction))  # train_batches.split_files' training split
+    cut = bool(t.max_samples) and t.max_samples < train_rows  # train.max_samples trains fewer
+    if cut:
+        train_tokens = t.max_samples * tokens_per_row
     packed_per_epoch = math.ceil(train_tokens / (t.total_seq_len * p.packing_fill))
     steps_per_epoch = math.ceil(packed_per_epoch / (world * t.grad_accum))
     steps = steps_per_epoch * t.epochs if not t.max_steps else min(t.max_steps, steps_per_epoch * t.epochs)
@@ -339,7 +345,8 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
     # the oldest is pruned to keep_checkpoints, and train.export best keeps the best evaluation's step besides
     written = steps // t.checkpoint_every + (1 if steps % t.checkpoint_every else 0)
     at_once = min(written, t.keep_checkpoints + 1 + (t.export == "best")) if t.keep_checkpoints else written
-    how = (f"{t.epochs} epochs x {train_tokens} tokens / ({t.total_seq_len}-token rows x fill {p.packing_fill:g}) = "
+    how = ((f"train.max_samples {t.max_samples} of the {train_rows} training rows; " if cut else "")
+           + f"{t.epochs} epochs x {train_tokens} tokens / ({t.total_seq_len}-token rows x fill {p.packing_fill:g}) = "
            f"{packed_per_epoch} rows an epoch, {steps} steps on {world} process(es) ({out.train_processes_from}) x "
            f"grad_accum {t.grad_accum}; {p.train_tokens_per_s:g} tok/s a process "
            f"({rate_basis(cfg, 'train_tokens_per_s')})"
@@ -367,7 +374,7 @@ def estimate(cfg: PipelineConfig) -> RunCosts:
     disk = ckpt_bytes
     if t.data_source == "online":
         servers = max(1, len(ex.extract_url))
-        extract_hours = t.epochs * tokens * done_share / (p.extract_tokens_per_s * servers) / 3600
+        extract_hours = t.epochs * (train_tokens + held_tokens) * done_share / (p.extract_tokens_per_s * servers) / 3600
         hours = max(hours, extract_hours) + _servers_started(ex.extract_url) * p.server_start_s / 3600
         disk += round((t.spool_gb + t.cache_gb) * GB)
         how += (f"; online: each epoch extracted at {p.extract_tokens_per_s:g} tok/s x {servers} server(s), spool "

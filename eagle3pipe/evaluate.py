@@ -94,6 +94,7 @@ def draft_provenance(folder: Path | None) -> dict | None:
         return {"provenance": str(path), "config_hash": prov.get("config_hash"), "steps": counts.get("steps"),
                 "trained_steps": counts.get("trained_steps", counts.get("steps")),
                 "rows_per_step": counts.get("rows_per_step"), "samples": counts.get("samples"),
+                "train_samples": counts.get("train_samples"),  # the samples trained on (train.max_samples)
                 "export": counts.get("export", "last"), "finished": prov.get("finished")}
     return None
 

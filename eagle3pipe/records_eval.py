@@ -25,7 +25,8 @@ from .records import FORMAT_VERSION, DataDir, FormatError, atomic_write_bytes, a
 #                      server_counters, ...acceptance figures of that pass}}}}},
 #                      with_draft / without_draft: the exported draft / the verifier alone over every set,
 #                      platform: {platform, device, device_count, tensor_parallel_size, vllm_version, ...},
-#                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, config_hash, export} | null,
+#                      drafts[].provenance: {steps, trained_steps, rows_per_step, samples, train_samples, config_hash,
+#                      export} | null,
 #                      anchors: [{draft, target, settings, source, acceptance_length: {set: x}, note}],
 #                      decode_timings: {column: {set: {level: {step_ms, tpot_ms}}}} (vLLM's inter-token latency:
 #                      one engine step; its per-request time per output token; null where the server has neither),
@@ -91,9 +92,10 @@ def eval_markdown_table(report: dict) -> str:
     for d in report["drafts"]:
         prov = d.get("provenance")
         if prov:
+            trained = f" ({prov['train_samples']} trained)" if prov.get("train_samples") is not None else ""
             lines += [f"Draft `{d['name']}`: trained {prov['trained_steps']} steps, exported step {prov['steps']} "
-                      f"({prov['export']}), {prov['rows_per_step']} packed rows a step, {prov['samples']} samples, "
-                      f"training config hash `{prov['config_hash']}` ({prov['provenance']}).", ""]
+                      f"({prov['export']}), {prov['rows_per_step']} packed rows a step, {prov['samples']} "
+                      f"samples{trained}, training config hash `{prov['config_hash']}` ({prov['provenance']}).", ""]
     lines += table("Acceptance length (1 + accepted / drafts)", drafts,
                    lambda c, s: fmt(acc[c][s]["acceptance_length"], ".3f"))
     anchors = report.get("anchors") or []

@@ -288,7 +288,7 @@ def build_data(cfg: PipelineConfig, device: torch.device):
         raise StageError(f"{dd.hs_manifest} not found: stage 02 has not finished (run 02_extract_hidden_states.py)")
     check_states_match(manifest, cfg)
     transfer, dataset_class, stored = states_reader(manifest, dd.hs_files, train_dtype(device))
-    train_files, held_files = split_files(manifest.num_samples, t.eval_fraction, cfg.shared.seed)
+    train_files, held_files = split_files(manifest.num_samples, t.eval_fraction, cfg.shared.seed, t.max_samples)
 
     def dataset(files):
         return dataset_class(max_len=t.total_seq_len, datapath=str(dd.hidden_states), transfer=transfer,
@@ -488,13 +488,14 @@ def run_settings(cfg: PipelineConfig, manifest, world: int) -> dict:
            if manifest is not None else {}),
         "vocab (stage 03)": hashlib.sha256(dd.vocab_mapping.read_bytes()).hexdigest()[:16],
         # the packing (seed, row length), the schedule (epochs, warm-up, rows per step, peak rate), the held-out
-        # split, the TTT unroll and which tensors the optimizer holds: another value skips or repeats samples, or
-        # (lm_head) does not load the optimizer state at all. The peak rate lives in the optimizer's and scheduler's
-        # state, which a resume loads: a new --learning-rate would be silently ignored, so it is refused too
+        # split and the training samples (max_samples), the TTT unroll and which tensors the optimizer holds: another
+        # value skips or repeats samples, or (lm_head) does not load the optimizer state at all. The peak rate lives
+        # in the optimizer's and scheduler's state, which a resume loads: a new --learning-rate would be silently
+        # ignored, so it is refused too
         "shared.seed": s.seed, "train.total_seq_len": t.total_seq_len, "train.epochs": t.epochs,
         "train.warmup_ratio": t.warmup_ratio, "train.learning_rate": t.learning_rate,
         "train.eval_fraction": t.eval_fraction, HELD_OUT_KEY: "drawn with shared.seed" if t.eval_fraction else "none",
-        "train.ttt_steps": t.ttt_steps,
+        "train.max_samples": t.max_samples, "train.ttt_steps": t.ttt_steps,
         "train.train_lm_head": t.train_lm_head, ROWS_PER_STEP: world * t.grad_accum,
         # the recipe: the loss, AdamW's decay and betas (the betas also live in the optimizer state a resume loads),
         # the clipping and the noise; half a run on one recipe and half on another is no run of either
@@ -526,8 +527,10 @@ def _check_resume_identity(cfg: PipelineConfig, resume_from: tuple[int, Path] | 
                     dd.train_run.name)
     elif resume_from is not None:
         changed = []
-        # a run.json written before issue 47 names no held-out rule: its held-out rows were the last ones
-        before = {HELD_OUT_KEY: "the last rows" if before.get("train.eval_fraction") else "none", **before}
+        # a run.json written before issue 47 names no held-out rule: its held-out rows were the last ones; one
+        # written before train.max_samples trained on the whole training split (0)
+        before = {HELD_OUT_KEY: "the last rows" if before.get("train.eval_fraction") else "none",
+                  "train.max_samples": 0, **before}
         for k, v in now.items():
             if before.get(k, v) != v:
                 then_now = (f"{before[k]} ({record.get('layout', '?')}) then, {v} ({layout}) now"
@@ -671,6 +674,8 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     if ranks.main:
         check_trackers(t.report_to)
     train_ds, val_ds, manifest = build_data(cfg, device)  # its checks refuse before any checkpoint is touched
+    # the samples the run trains on (train.max_samples cuts the training split) and judges on: provenance.json's
+    split = {"train_samples": len(train_ds), "held_out_samples": len(val_ds) if val_ds is not None else 0}
     resume_from = on_rank0(ranks, lambda: _prepare_checkpoints(cfg))
     on_rank0(ranks, lambda: _check_resume_identity(cfg, resume_from, manifest, ranks))
     model, base_config = build_model(cfg, device)
@@ -687,7 +692,7 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
         log.info("--resume: %s is at step %d, %s: nothing left to train", resume_from[1], state.step,
                  f"--max-steps {t.max_steps}" if state.epoch < t.epochs else f"the end of epoch {t.epochs}")
         return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world,
-                                               _skipped_counts(skipped_before), reuse=True))
+                                               _skipped_counts(skipped_before), split, reuse=True))
     net = wrap_data_parallel(model, ranks, device)
     family = draft_family(cfg, device)  # EAGLE-3 or DFlash: forward kwargs, metrics, row RNG, export (train_drafts)
     call_kwargs = family.call_kwargs(loss_config)
@@ -695,13 +700,14 @@ def _run_train(cfg: PipelineConfig, ranks: Ranks, device: torch.device) -> Path:
     plans = plan_epochs(cfg, epoch_batches, state, ranks, source, held_out=val_ds is not None)
     cap = min(sum(steps_per_epoch), t.max_steps) if t.max_steps else sum(steps_per_epoch)
     log_run_start(cfg, family, ranks.world, cap, epoch_batches, steps_per_epoch, manifest, device,
-                  held_out=val_ds is not None)
+                  held_out=val_ds is not None, train_samples=len(train_ds))
     epoch_samples = len(train_ds) + (len(val_ds) if val_ds is not None else 0)
     loop = TrainingLoop(cfg, ranks, device, model, net, params, optimizer, scheduler, family, call_kwargs, source,
                         epoch_batches, steps_per_epoch, plans, cap, state, resume_from is not None, skipped_before,
                         epoch_samples, anchor)
     state, counts = loop.run()
-    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world, counts))
+    return on_rank0(ranks, lambda: _export(cfg, model, base_config, state, manifest, started, ranks.world, counts,
+                                           split))
 
 
 def pack_epochs(cfg: PipelineConfig, train_ds, world: int) -> tuple[list, list[int]]:
@@ -784,15 +790,16 @@ def plan_epochs(cfg: PipelineConfig, epoch_batches: list, state: TrainingState, 
 
 
 def log_run_start(cfg: PipelineConfig, family, world: int, cap: int, epoch_batches: list, steps_per_epoch: list[int],
-                  manifest, device: torch.device, held_out: bool) -> None:
-    """The run's shape (steps, rows and tokens a step, epochs) and its recipe, in two log lines."""
+                  manifest, device: torch.device, held_out: bool, train_samples: int) -> None:
+    """The run's shape (steps, rows and tokens a step, epochs, samples) and its recipe, in two log lines."""
     t = cfg.train
     group = world * t.grad_accum
     log.info("training %d optimizer steps on %d process%s x grad_accum %d = %d packed rows of %d tokens a step "
-             "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, hidden states %s) on %s", cap, world,
-             "es" if world > 1 else "", t.grad_accum, group, t.total_seq_len, group * t.total_seq_len, t.epochs,
-             "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
-             manifest.num_samples, manifest.storage_dtype, device)
+             "(%d tokens); %d epochs of %s packed rows = %s steps (%d samples, %d trained%s; hidden states %s) on %s",
+             cap, world, "es" if world > 1 else "", t.grad_accum, group, t.total_seq_len, group * t.total_seq_len,
+             t.epochs, "/".join(str(len(b)) for b in epoch_batches), "/".join(map(str, steps_per_epoch)),
+             manifest.num_samples, train_samples, f" (train.max_samples {t.max_samples})" if t.max_samples else "",
+             manifest.storage_dtype, device)
     log.info("recipe: loss %s, AdamW weight decay %g, betas %s, gradient clipping %s, hidden-state noise %s; "
              "held-out evaluation %s; export %s", family.loss_name, t.weight_decay, tuple(t.adam_betas),
              f"{t.max_grad_norm:g}" if t.max_grad_norm else "off",
@@ -1145,9 +1152,10 @@ def _write_draft(model, base_config, cfg: PipelineConfig, out: Path) -> Path:
 
 
 def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manifest, started: float, world: int,
-            skipped: dict[str, int], reuse: bool = False) -> Path:
+            skipped: dict[str, int], split: dict[str, int], reuse: bool = False) -> Path:
     """Export checkpoints/final/ (train.export: the last step's weights, or the best evaluation's checkpoint),
-    curves and provenance (rank 0 alone). ``reuse``: a final/ that already holds this export is kept as it is."""
+    curves and provenance (rank 0 alone; ``split``: its train_samples and held_out_samples counts). ``reuse``: a
+    final/ that already holds this export is kept as it is."""
     dd, s, t = DataDir(cfg.data_dir), cfg.shared, cfg.train
     step, chosen = choose_export(cfg, state)
     if reuse and _export_holds(dd, step, t.export_format):
@@ -1164,7 +1172,8 @@ def _export(cfg: PipelineConfig, model, base_config, state: TrainingState, manif
                      config_hash=cfg.section_hash("shared", "train"), config=cfg.to_dict(),
                      inputs=[str(dd.hidden_states), str(dd.vocab), s.verifier, t.finetune_from],
                      counts={"steps": step, "trained_steps": state.step, "epochs_done": state.epoch,
-                             "samples": manifest.num_samples, "world_size": world, "grad_accum": t.grad_accum,
+                             "samples": manifest.num_samples, **split, "max_samples": t.max_samples,
+                             "world_size": world, "grad_accum": t.grad_accum,
                              "rows_per_step": world * t.grad_accum, "skipped_samples": skipped["trained"],
                              "skipped_held_out": skipped["held_out"], "export": t.export,
                              **({ACCEPTANCE_KEY: chosen[ACCEPTANCE_KEY]} if chosen else {})},

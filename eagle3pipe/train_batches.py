@@ -173,23 +173,44 @@ def states_reader(manifest, files: Path, dtype: torch.dtype):
     return CheckedFileTransfer(files, manifest), CheckedArrowDataset, dtype
 
 
-def split_files(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+def split_files(n: int, eval_fraction: float, seed: int,
+                max_samples: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
     """(the files that train, the files held out or None) of ``n`` samples, each in file order: a random share of
     ``eval_fraction`` (n - int(n x (1 - eval_fraction)) files) drawn with ``seed`` (shared.seed), so that a dataset
     ordered by source is judged on all of its sources, not on the last one. None (with a warning when some were
-    asked for) when ``n`` is too small for either side to be non-empty."""
+    asked for) when ``n`` is too small for either side to be non-empty. ``max_samples`` (train.max_samples) then
+    cuts the training files alone (``cut_training``): the held-out files do not depend on it."""
     held = n - int(n * (1.0 - eval_fraction))
     if eval_fraction > 0 and 0 < held < n:
         rng = np.random.default_rng([seed, HELD_OUT_STREAM])
         out = np.zeros(n, dtype=bool)
         out[rng.permutation(n)[:held]] = True
-        return np.flatnonzero(~out), np.flatnonzero(out)
+        return cut_training(np.flatnonzero(~out), max_samples, seed), np.flatnonzero(out)
     if eval_fraction > 0:
         log.warning("%d samples: too few to hold out %.1f%% for evaluation; training on all", n, 100 * eval_fraction)
-    return np.arange(n), None
+    return cut_training(np.arange(n), max_samples, seed), None
+
+
+def cut_training(files: np.ndarray, max_samples: int, seed: int) -> np.ndarray:
+    """``max_samples`` of the training ``files`` (train.max_samples; 0 or more than there are: all), in file order:
+    the first ``max_samples`` of one permutation of them drawn with ``seed``. Every rank draws the same."""
+    if not max_samples:
+        return files
+    if max_samples > len(files):
+        log.warning("train.max_samples %d: the training split holds only %d samples; training on all of them",
+                    max_samples, len(files))
+        return files
+    # a seeded draw, not the first N in file order (rows ordered by source would give a small N one source); one
+    # permutation cut at N, so each N's samples hold every smaller N's: a data curve adds samples, never swaps them
+    order = np.random.default_rng([seed, TRAIN_CUT_STREAM]).permutation(len(files))
+    kept = np.sort(files[order[:max_samples]])
+    log.info("train.max_samples %d: training on %d of the training split's %d samples (drawn with shared.seed)",
+             max_samples, len(kept), len(files))
+    return kept
 
 
 HELD_OUT_STREAM = 0x4E1D  # the held-out draw's own RNG stream: no other draw of shared.seed moves it
+TRAIN_CUT_STREAM = 0x4E1E  # train.max_samples' draw's own stream, likewise
 
 
 def check_lengths_fit(lengths, cfg: PipelineConfig) -> None:

@@ -110,8 +110,8 @@ def online_manifest(cfg: PipelineConfig, src: Path, rows: list, num_layers: int)
 def build_online_data(cfg: PipelineConfig, device: torch.device):
     """(train_dataset, held-out dataset or None, manifest) as ``train.build_data`` returns them, over the rows
     dataset of every input row split as offline (``train_batches.split_files``: a share of eval_fraction drawn with
-    shared.seed is held out); each dataset's files are read from the spool folder of the row being packed
-    (``OnlineBatches``)."""
+    shared.seed is held out, train.max_samples cuts the rest); each dataset's files are read from the spool folder
+    of the row being packed (``OnlineBatches``)."""
     from .extract import read_rows
     from .verifier import load_text_config
 
@@ -134,7 +134,7 @@ def build_online_data(cfg: PipelineConfig, device: torch.device):
                  "written" if written else "kept: written before from these rows")
     if distributed:
         dist.barrier()
-    train_files, held_files = split_files(len(rows), cfg.train.eval_fraction, cfg.shared.seed)
+    train_files, held_files = split_files(len(rows), cfg.train.eval_fraction, cfg.shared.seed, cfg.train.max_samples)
 
     def dataset(files):
         transfer, dataset_class, stored = states_reader(manifest, dd.train_spool_rank(0), train_dtype(device))
@@ -784,8 +784,10 @@ class OnlineBatches(BatchSource):
                 raise StageError("train.data_source online under torchrun: start the extraction servers first "
                                  "(python -m eagle3pipe.extract_vllm --config ... prints the command) and pass each "
                                  "as --extract-url; one process starts its own")
+            # room for every row (the held-out ones too, and those train.max_samples leaves out: the check below
+            # refuses any row longer than the server takes)
             self.server = start_server(cfg, self.dd, self.manifest.num_layers,
-                                       max(self.dataset.approx_lengths) + 1)
+                                       int(self.dataset.online_rows.lengths.max()) + 1)
             urls = [self.server.url]
         check_dir = self.dd.train_spool_rank(self.ranks.rank) / "capture_check"
         with JsonlAppender(self.dd.train_spool_rank(self.ranks.rank) / "capture_check.jsonl") as journal:

@@ -42,6 +42,7 @@ def test_kimi_k25_dflash_yaml_is_z_labs_k25_draft():
     ({"draft": "eagle3_mla", "export_format": "speculators"}, {}, "speculators' format has no MLA layer"),
     ({"draft": "eagle3_mla"}, {"aux_layer_ids": [2, 13, 30, 58]}, "an EAGLE-3 draft reads 3 verifier states"),
     ({"anchor_to_init": -1e-4}, {}, "train.anchor_to_init must be a finite weight >= 0"),
+    ({"max_samples": -1}, {}, r"train.max_samples must be >= 0 \(0 = the whole training split\), got -1"),
     ({}, {"aux_layer_ids": [2, 13, 30, 58]}, "an EAGLE-3 draft reads 3 verifier states"),
     ({"draft_layer_ids": [2, 31, 58]}, {"aux_layer_ids": [2, 13, 30, 58]}, "must be ascending ids among"),
     ({"draft": "dflash", "dflash_loss": "kl_div"}, {}, "dpace weighs slots by their cross-entropy"),

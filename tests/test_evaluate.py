@@ -627,17 +627,19 @@ def test_draft_provenance_and_the_anchors_figures(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for folder in ("final", "export_step_4", "a_copy"):
         (checkpoints / folder).mkdir(parents=True)
-    counts = {"steps": 10, "trained_steps": 12, "rows_per_step": 8, "samples": 100, "export": "best"}
+    counts = {"steps": 10, "trained_steps": 12, "rows_per_step": 8, "samples": 100, "train_samples": 40,
+              "export": "best"}  # train_samples: train.max_samples 40 of the split
     write_provenance(checkpoints / "provenance.json", stage="train", config_hash="abc123", config={}, inputs=[],
                      counts=counts, started=time.time())
     write_provenance(checkpoints / "export_step_4" / "provenance.json", stage="train", config_hash="abc123",
                      config={}, inputs=[], counts={"steps": 4, "rows_per_step": 8, "samples": 100,
                                                    "export": "export_from step_4"}, started=time.time())
     final = draft_provenance(checkpoints / "final")
-    assert {k: final[k] for k in ("steps", "trained_steps", "rows_per_step", "samples", "export", "config_hash")} == \
-        {**counts, "config_hash": "abc123"}
+    assert {k: final[k] for k in ("steps", "trained_steps", "rows_per_step", "samples", "train_samples", "export",
+                                  "config_hash")} == {**counts, "config_hash": "abc123"}
     step4 = draft_provenance(checkpoints / "export_step_4")
     assert step4["steps"] == step4["trained_steps"] == 4 and step4["export"] == "export_from step_4"
+    assert step4["train_samples"] is None  # a provenance written without the count (--export-from's) names none
     assert draft_provenance(checkpoints / "a_copy") is None  # checkpoints/provenance.json is final/'s alone
     assert draft_provenance(tmp_path) is None and draft_provenance(None) is None
     anchors = anchor_figures(["gsm8k", "held_out", "mtbench"], 3)
