@@ -501,6 +501,10 @@ SPEED_VARIANTS = {
     "eagle3_ttt4": {"ttt_steps": 4},
     "eagle3_ttt7": {"ttt_steps": 7},
     "eagle3_lk": {"loss": "lk_hybrid"},
+    # the data curve (train.max_samples: a nested seeded draw of the regenerated samples, the same held-out rows):
+    # with --speed-questions 2000, 125 / 500 / all span 16x
+    "eagle3_n125": {"max_samples": 125},
+    "eagle3_n500": {"max_samples": 500},
     "dflash_b16": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 16, "dflash_num_kv_heads": "kv"},
     "dflash_a4": {"draft": "dflash", "dflash_num_layers": 3, "dflash_block_size": 8, "dflash_num_kv_heads": "kv",
                   "dflash_max_anchors": "row/4"},
@@ -584,18 +588,24 @@ def speed_track(size: str) -> None:
     verifier, inputs = w / f"{size}_verifier", w / f"{size}_inputs"
     chats, prompts = inputs / "chats.jsonl", inputs / "eval_prompts.jsonl"
     sets = [a for kv in ARGS.verifier_set for a in ("--set", kv)]
+    if ARGS.speed_random_weights:  # step costs alone: a verifier of the size's shape, one step trained
+        sets += ["--set", "steps=1", "--set", "num_train_tasks=256"]
     run(size, "verifier", [PY, "-m", "eagle3pipe.toy_reasoning", "--size", size, "--out", str(verifier), "--device",
                            "cpu" if ARGS.cpu else "cuda", "--chats", str(chats), "--eval-prompts", str(prompts),
                            "--num-chats", str(ARGS.speed_questions), "--num-eval", "64",
                            "--max-minutes", str(ARGS.verifier_minutes), *sets],
         w / "logs" / f"{size}_verifier.log")  # a finished verifier of this recipe is reused, not retrained
     record(size, "verifier", json.loads((verifier / "toy_reasoning.json").read_text()))
+    if ARGS.speed_verifier_only:  # gpu-k25's first call: vLLM's MoE kernels come in the next one (64 MiB a call)
+        return
     meta = json.loads((verifier / "toy_verifier.json").read_text())
     variants = ARGS.speed_variants.split(",")
     first = next(iter(SPEED_VARIANTS))  # 01 -> 02 run in its folder whichever drafts are measured (a stage's
     cfgs = {v: speed_config(size, v, verifier, meta, chats, prompts) for v in {first, *variants}}  # hash has it)
     main_dir = w / f"{size}_{first}"
     env = {"PYTHON": PY}
+    if ARGS.speed_random_weights:
+        return speed_random_track(size, verifier, meta, variants, cfgs)
     run(size, "run_all_01_to_02", ["bash", "run_all.sh", "--config", str(cfgs[first]), "--to", "02_extract"],
         w / "logs" / f"{size}_run_all.log", env)
     for v in set(variants) - {first}:  # the other drafts train on the same states
@@ -621,26 +631,48 @@ def speed_track(size: str) -> None:
         for v in variants:
             if (w / f"{size}_{v}" / "checkpoints" / "metrics.jsonl").is_file():
                 record(f"{size}_{v}", "train", train_rate(w / f"{size}_{v}"))
-        url = base_srv.wait(timeout=max(deadline_left() - ARGS.min_eval_s, 1))
+        speed_evals(size, variants, cfgs, base_srv.wait(timeout=max(deadline_left() - ARGS.min_eval_s, 1)))
+    finally:
+        base_srv.stop()
+
+
+def speed_evals(size: str, variants: list[str], cfgs: dict, url: str | None) -> None:
+    """05 for each variant's exported draft against the verifier-alone server at ``url``, unless measured already."""
+    for v in variants:
+        data = ARGS.work / f"{size}_{v}"
+        if (data / "eval" / "report.json").is_file():
+            speed_eval(f"{size}_{v}", v, data)
+            continue
+        if not (data / "checkpoints" / "final" / "model.safetensors").is_file():
+            record(f"{size}_{v}", "05_skipped", "no exported draft (its 04 did not finish)")
+            continue
+        if deadline_left() < ARGS.min_eval_s:  # a 05 cut by the deadline measures nothing: the next call
+            record(f"{size}_{v}", "05_deferred", f"{deadline_left():.0f} s left before the deadline")
+            continue
+        try:
+            run(f"{size}_{v}", "05_evaluate", [PY, "05_evaluate.py", "--config", str(cfgs[v]),
+                                               *(["--baseline-url", url] if url else [])],
+                ARGS.work / "logs" / f"{size}_{v}_05.log")
+            speed_eval(f"{size}_{v}", v, data)
+        except RuntimeError as e:  # one draft's failure (its server, say) leaves the others measured
+            record(f"{size}_{v}", "05_error", str(e)[-3000:])
+            say(f"{size}_{v}: 05 FAILED: {e}")
+
+
+def speed_random_track(size: str, verifier: Path, meta: dict, variants: list[str], cfgs: dict) -> None:
+    """--speed-random-weights: each draft at its initial weights (bench/gpu_random_draft.py) served by 05 beside the
+    verifier alone: no 01b -> 04, acceptance ~0, the step timings (05's decode_timings, step_costs) are the result
+    (the issue-46 figures 1.65x / 7.6x were measured this way)."""
+    w = ARGS.work
+    base_srv = VllmBaseline(verifier, w / "logs" / f"{size}_baseline_vllm.log", speed_eval_flags(meta),
+                            bool(meta.get("trust_remote_code")))
+    base_srv.start_in_background()
+    try:
         for v in variants:
-            data = w / f"{size}_{v}"
-            if (data / "eval" / "report.json").is_file():
-                speed_eval(f"{size}_{v}", v, data)
-                continue
-            if not (data / "checkpoints" / "final" / "model.safetensors").is_file():
-                record(f"{size}_{v}", "05_skipped", "no exported draft (its 04 did not finish)")
-                continue
-            if deadline_left() < ARGS.min_eval_s:  # a 05 cut by the deadline measures nothing: the next call
-                record(f"{size}_{v}", "05_deferred", f"{deadline_left():.0f} s left before the deadline")
-                continue
-            try:
-                run(f"{size}_{v}", "05_evaluate", [PY, "05_evaluate.py", "--config", str(cfgs[v]),
-                                                   *(["--baseline-url", url] if url else [])],
-                    w / "logs" / f"{size}_{v}_05.log")
-                speed_eval(f"{size}_{v}", v, data)
-            except RuntimeError as e:  # one draft's failure (its server, say) leaves the others measured
-                record(f"{size}_{v}", "05_error", str(e)[-3000:])
-                say(f"{size}_{v}: 05 FAILED: {e}")
+            if not (w / f"{size}_{v}" / "checkpoints" / "final" / "model.safetensors").is_file():
+                run(f"{size}_{v}", "random_draft", [PY, str(REPO / "bench" / "gpu_random_draft.py"), "--config",
+                                                    str(cfgs[v])], w / "logs" / f"{size}_{v}_random_draft.log")
+        speed_evals(size, variants, cfgs, base_srv.wait(timeout=max(deadline_left() - ARGS.min_eval_s, 1)))
     finally:
         base_srv.stop()
 
@@ -737,6 +769,11 @@ def main() -> None:
     p.add_argument("--speed-epochs", type=int, default=4, help="gpu-dense / gpu-k25: 04's epochs for every draft")
     p.add_argument("--speed-lr", type=float, default=6e-4, help="gpu-dense / gpu-k25: 04's peak learning rate")
     p.add_argument("--verifier-minutes", type=float, default=4.5, help="gpu-dense / gpu-k25: cap on its training")
+    p.add_argument("--speed-random-weights", action="store_true",
+                   help="gpu-dense / gpu-k25: step costs alone: the verifier trained 1 step, each draft at its "
+                        "initial weights, 05 beside the verifier alone (no 01b -> 04)")
+    p.add_argument("--speed-verifier-only", action="store_true",
+                   help="gpu-dense / gpu-k25: train the verifier and stop (the next call goes on from there)")
     p.add_argument("--verifier-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="gpu-dense / gpu-k25: a recipe override for the verifier (toy_reasoning --set), e.g. for a "
                         "CPU rehearsal at toy dims")

@@ -22,6 +22,9 @@
 #   bash bench/gpu_route.sh speed   # carry core.tar.xz + unpack.py + .gpuwork/whl: issue 46's GPU-scale verifier
 #                                   # (TRACKS=gpu-dense, or gpu-k25 with moe.tar.xz) trained here, 01 -> 05 for each
 #                                   # draft (bench/gpu_route.py --speed-*); repeat on the warm machine to go on
+#                                   # gpu-k25 in three calls: `TRACKS=gpu-k25 SPEED_ARGS=--speed-verifier-only`
+#                                   # carrying core + unpack.py + whl, then the same without that flag carrying
+#                                   # moe.tar.xz + unpack.py, then again carrying nothing
 #   bash bench/gpu_route.sh profile # after `speed`: vLLM's torch profiler on a speculation step of each draft in
 #                                   # $VARIANTS at concurrency 1 and 16 (bench/gpu_step_profile.py)
 #   bash bench/gpu_route.sh eval    # 05 on what `route` left in /tmp/gr (CONFIGS="ci k25", side by side): the export
@@ -41,7 +44,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 unpack() {  # unpack.py BUNDLE.tar.xz over /tmp/site unless that part is there already
-  if [ "$1" = core ] && [ -d /tmp/site/vllm ]; then return 0; fi
+  if [ "$1" = core ] && [ -f /tmp/site/vllm/__init__.py ]; then return 0; fi
   if [ "$1" = moe ] && [ -f /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so ]; then return 0; fi
   python3 "$BUNDLE/unpack.py" "$BUNDLE/$1.tar.xz" && say "unpacked $1"
 }
