@@ -563,8 +563,9 @@ def speed_config(size: str, variant: str, verifier: Path, meta: dict, chats: Pat
                     "force_disk": True},  # the plan sizes every row at max_seq_len; these rows are ~200 tokens
         "vocab": {"mask_token": "[UNK]" if k25 else "[PAD]"},  # DFlash: a special token never in the rows
         "train": train,
-        "evaluate": {"prompts": str(prompts), "num_prompts": 8 if cpu else 32,
-                     "concurrency": [1, 4] if cpu else [1, 8, 16], "max_completion_tokens": 64 if cpu else 256,
+        "evaluate": {"prompts": str(prompts), "num_prompts": 8 if cpu else ARGS.speed_eval_prompts,
+                     "concurrency": [1, 4] if cpu else [1, 8, 16],
+                     "max_completion_tokens": 64 if cpu else ARGS.speed_eval_tokens,
                      "num_speculative_tokens": 3, "server_start_timeout_s": 900, "benchmarks": [],
                      "server_args": speed_eval_flags(meta)},
     }
@@ -772,6 +773,10 @@ def main() -> None:
     p.add_argument("--speed-random-weights", action="store_true",
                    help="gpu-dense / gpu-k25: step costs alone: the verifier trained 1 step, each draft at its "
                         "initial weights, 05 beside the verifier alone (no 01b -> 04)")
+    p.add_argument("--speed-eval-prompts", type=int, default=32, help="gpu-dense / gpu-k25: 05's prompts a level")
+    p.add_argument("--speed-eval-tokens", type=int, default=256,
+                   help="gpu-dense / gpu-k25: 05's tokens a request (with --speed-random-weights every token is a "
+                        "speculation step: 32 x 256 took ~90 s a level at concurrency 1 on gpu-k25, H100)")
     p.add_argument("--speed-verifier-only", action="store_true",
                    help="gpu-dense / gpu-k25: train the verifier and stop (the next call goes on from there)")
     p.add_argument("--verifier-set", action="append", default=[], metavar="FIELD=VALUE",
