@@ -347,7 +347,9 @@ def test_no_server_answers_stops_with_a_checkpoint_and_resume_finishes(storage, 
         close(self)
 
     monkeypatch.setattr(train_online.OnlineBatches, "close", keep_and_close)
-    proxy = FaultyProxy(server.url, down_after=NUM_ROWS + 6)  # the capture check's sample + epoch 1 + 5
+    # the capture check's posts + epoch 1 + 5 of epoch 2: more than the 4 requests in flight past the epochs' border,
+    # whose posts may reach the proxy out of order (at + 2, under the suite's load, an epoch-1 row was refused)
+    proxy = FaultyProxy(server.url, down_after=capture_check_posts(offline_runs) + NUM_ROWS + 5)
     d = storage / "stop"
     try:
         cfg = online_cfg(d, toy_llama, [proxy.url], {"max_retries": 1, "retry_backoff_s": 0.05})
