@@ -605,16 +605,15 @@ def speed_track(size: str) -> None:
     cfgs = {v: speed_config(size, v, verifier, meta, chats, prompts) for v in {first, *variants}}  # hash has it)
     main_dir = w / f"{size}_{first}"
     env = {"PYTHON": PY}
-    if ARGS.speed_random_weights:
-        return speed_random_track(size, verifier, meta, variants, cfgs)
-    run(size, "run_all_01_to_02", ["bash", "run_all.sh", "--config", str(cfgs[first]), "--to", "02_extract"],
-        w / "logs" / f"{size}_run_all.log", env)
-    for v in set(variants) - {first}:  # the other drafts train on the same states
-        (w / f"{size}_{v}").mkdir(parents=True, exist_ok=True)
-        for sub in SPEED_SHARED_STAGES:
-            link = w / f"{size}_{v}" / sub
-            if not link.exists():
-                link.symlink_to(main_dir / sub, target_is_directory=True)
+    if not ARGS.speed_random_weights:  # random weights: no 01b -> 04, each draft at its initial weights below
+        run(size, "run_all_01_to_02", ["bash", "run_all.sh", "--config", str(cfgs[first]), "--to", "02_extract"],
+            w / "logs" / f"{size}_run_all.log", env)
+        for v in set(variants) - {first}:  # the other drafts train on the same states
+            (w / f"{size}_{v}").mkdir(parents=True, exist_ok=True)
+            for sub in SPEED_SHARED_STAGES:
+                link = w / f"{size}_{v}" / sub
+                if not link.exists():
+                    link.symlink_to(main_dir / sub, target_is_directory=True)
     # the verifier alone, started while the drafts train (05 measures every draft against it)
     base_srv = VllmBaseline(verifier, w / "logs" / f"{size}_baseline_vllm.log", speed_eval_flags(meta),
                             bool(meta.get("trust_remote_code")))
@@ -623,6 +622,12 @@ def speed_track(size: str) -> None:
         # one 04 at a time: three at once on one H100 (2026-12-07) each ran at ~2.3 k tok/s against 23 k alone
         # (torch.compile of three processes on the CPUs, then the GPU shared), so none finished in the call
         for v in variants:
+            if ARGS.speed_random_weights:  # step costs alone: acceptance ~0, 05's step timings are the result
+                if not (w / f"{size}_{v}" / "checkpoints" / "final" / "model.safetensors").is_file():
+                    run(f"{size}_{v}", "random_draft", [PY, str(REPO / "bench" / "gpu_random_draft.py"),
+                                                        "--config", str(cfgs[v])],
+                        w / "logs" / f"{size}_{v}_random_draft.log")
+                continue
             try:
                 run(f"{size}_{v}", "run_all_03_to_04",
                     ["bash", "run_all.sh", "--config", str(cfgs[v]), "--from", "03_vocab", "--to", "04_train"],
@@ -658,24 +663,6 @@ def speed_evals(size: str, variants: list[str], cfgs: dict, url: str | None) -> 
         except RuntimeError as e:  # one draft's failure (its server, say) leaves the others measured
             record(f"{size}_{v}", "05_error", str(e)[-3000:])
             say(f"{size}_{v}: 05 FAILED: {e}")
-
-
-def speed_random_track(size: str, verifier: Path, meta: dict, variants: list[str], cfgs: dict) -> None:
-    """--speed-random-weights: each draft at its initial weights (bench/gpu_random_draft.py) served by 05 beside the
-    verifier alone: no 01b -> 04, acceptance ~0, the step timings (05's decode_timings, step_costs) are the result
-    (the issue-46 figures 1.65x / 7.6x were measured this way)."""
-    w = ARGS.work
-    base_srv = VllmBaseline(verifier, w / "logs" / f"{size}_baseline_vllm.log", speed_eval_flags(meta),
-                            bool(meta.get("trust_remote_code")))
-    base_srv.start_in_background()
-    try:
-        for v in variants:
-            if not (w / f"{size}_{v}" / "checkpoints" / "final" / "model.safetensors").is_file():
-                run(f"{size}_{v}", "random_draft", [PY, str(REPO / "bench" / "gpu_random_draft.py"), "--config",
-                                                    str(cfgs[v])], w / "logs" / f"{size}_{v}_random_draft.log")
-        speed_evals(size, variants, cfgs, base_srv.wait(timeout=max(deadline_left() - ARGS.min_eval_s, 1)))
-    finally:
-        base_srv.stop()
 
 
 class VllmBaseline:
